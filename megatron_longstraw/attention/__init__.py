@@ -1,0 +1,1 @@
+"""The project's attention cores (used in place of Megatron's core attention)."""

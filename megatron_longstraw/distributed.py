@@ -1,0 +1,111 @@
+"""Process-group and model-parallel initialization for one or many processes.
+
+NCCL on GPU, gloo on CPU. Launch with ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``
+set) or as a single plain process. Megatron's ``parallel_state`` gets the tensor, context,
+expert and pipeline sizes; data parallelism takes what remains of the world size.
+"""
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from megatron_longstraw.patches import apply_patches
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Model-parallel sizes; data parallelism is the world size divided by their product."""
+
+    tensor: int = 1
+    context: int = 1
+    expert: int = 1
+    pipeline: int = 1
+
+    def validate(self, world_size: int) -> int:
+        """Check the sizes against ``world_size``; returns the data-parallel size."""
+        for flag, value in (
+            ("--tensor-model-parallel-size", self.tensor),
+            ("--context-parallel-size", self.context),
+            ("--expert-model-parallel-size", self.expert),
+            ("--pipeline-model-parallel-size", self.pipeline),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        dense = self.tensor * self.context * self.pipeline
+        if world_size % dense:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor ({self.tensor}) x context "
+                f"({self.context}) x pipeline ({self.pipeline}) parallel sizes = {dense}"
+            )
+        data = world_size // dense
+        if (data * self.context) % self.expert:
+            raise ValueError(
+                f"--expert-model-parallel-size {self.expert} must divide data x context parallel "
+                f"size {data * self.context} (world size {world_size})"
+            )
+        return data
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def device() -> torch.device:
+    """The device this process computes on: its GPU, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(sizes: ParallelSizes = ParallelSizes(), seed: int = 1234,
+                     timeout_minutes: int = 30) -> None:
+    """Create the default process group (if needed), Megatron's parallel groups, and seeds.
+
+    Applies the CPU-compat patches first (a no-op on a GPU host).
+    """
+    apply_patches()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend="nccl" if torch.cuda.is_available() else "gloo",
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    sizes.validate(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tensor,
+        pipeline_model_parallel_size=sizes.pipeline,
+        context_parallel_size=sizes.context,
+        expert_model_parallel_size=sizes.expert,
+        distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=not torch.cuda.is_available(),
+    )
+    seed_all(seed)
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch and Megatron's RNG tracker (distinct TP/EP streams, as Megatron does)."""
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the default process group."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,131 @@
+"""Build a family's Megatron ``GPTModel`` and move full (unsharded) weights in and out of it."""
+
+import re
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from megatron_longstraw.models.options import ModelOptions, backend_provider
+from megatron_longstraw.models.registry import family_for
+
+
+def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
+                parallel_output: bool = True, pre_process: Optional[bool] = None,
+                post_process: Optional[bool] = None, vp_stage: Optional[int] = None) -> GPTModel:
+    """Build the Megatron model for an HF-style config dict on this rank's pipeline stage."""
+    family = family_for(hf.get("model_type"))
+    hf = family.normalize_hf_config(hf)
+    backend = backend_provider(options)
+    config = family.transformer_config(hf, options)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=family.block_spec(config, backend),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        vp_stage=vp_stage,
+        **family.gpt_model_kwargs(hf),
+    )
+    model.hf_config = hf
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+_TE_FUSED_NORMS = (
+    # local-spec name suffix -> Transformer Engine fused-norm names to try, in order
+    (".input_layernorm.weight", (".self_attention.linear_qkv.layer_norm_weight",
+                                 ".self_attention.in_proj.layer_norm_weight")),
+    (".pre_mlp_layernorm.weight", (".mlp.linear_fc1.layer_norm_weight",)),
+)
+
+
+def _local_name(name: str, params: dict) -> str:
+    """Map a local-spec parameter name onto the model's own (TE fused-norm) name."""
+    if name in params:
+        return name
+    for suffix, fused in _TE_FUSED_NORMS:
+        if name.endswith(suffix):
+            for alt in fused:
+                candidate = name[: -len(suffix)] + alt
+                if candidate in params:
+                    return candidate
+    return name
+
+
+def shard_for_rank(full: torch.Tensor, dim: int, rank: int, size: int,
+                   sections: Optional[list[int]] = None) -> torch.Tensor:
+    """This TP rank's slice of ``full`` along ``dim``; fused ``sections`` split separately."""
+    if size == 1:
+        return full
+    parts = torch.split(full, sections, dim=dim) if sections else (full,)
+    shards = []
+    for part in parts:
+        if part.shape[dim] % size:
+            raise ValueError(f"dimension {part.shape[dim]} is not divisible by TP size {size}")
+        shards.append(torch.chunk(part, size, dim=dim)[rank])
+    return torch.cat(shards, dim=dim)
+
+
+_EXPERT_NAME = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
+
+
+def _expert_local_name(name: str, config) -> Optional[str]:
+    """``...local_experts.{global}...`` -> this EP rank's local name, or None if not local."""
+    match = _EXPERT_NAME.fullmatch(name)
+    if match is None:
+        return name
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    per_rank = config.num_moe_experts // ep_size
+    owner, local = divmod(int(match.group(2)), per_rank)
+    if owner != parallel_state.get_expert_model_parallel_rank():
+        return None
+    return f"{match.group(1)}{local}{match.group(3)}"
+
+
+@torch.no_grad()
+def load_full_state_dict(model: GPTModel, full: dict[str, torch.Tensor]) -> None:
+    """Copy full (TP-unsharded, local-spec-named) weights into this rank's model.
+
+    Every model parameter must be provided and every provided tensor must be used (names of
+    layers on other pipeline stages are skipped by the caller's key filtering). MoE experts are
+    named by their global number (``local_experts.{e}``); only this EP rank's experts are
+    loaded, renumbered locally, and they are TP-split over the expert-tensor-parallel group.
+    Buffers (e.g. the router's ``expert_bias``) are loaded when given.
+    """
+    family = family_for(model.hf_config["model_type"])
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    used = set()
+    for name, tensor in full.items():
+        local = _expert_local_name(name, model.config)
+        if local is None:
+            continue  # an expert of another EP rank
+        target = _local_name(local, params)
+        if target not in params and target not in buffers:
+            raise ValueError(f"weight {name!r} has no parameter in the model")
+        param = params[target] if target in params else buffers[target]
+        if getattr(param, "tensor_model_parallel", False):
+            if getattr(param, "allreduce", True):  # dense parameter
+                tp_rank = parallel_state.get_tensor_model_parallel_rank()
+                tp_size = parallel_state.get_tensor_model_parallel_world_size()
+            else:  # expert parameter
+                tp_rank = parallel_state.get_expert_tensor_parallel_rank()
+                tp_size = parallel_state.get_expert_tensor_parallel_world_size()
+            tensor = shard_for_rank(tensor, param.partition_dim, tp_rank, tp_size,
+                                    family.tp_sections(name, model.config))
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(
+                f"weight {name!r}: shape {tuple(tensor.shape)} does not match {tuple(param.shape)}"
+            )
+        param.copy_(tensor.to(param.dtype))
+        used.add(target)
+    missing = sorted(set(params) - used)
+    if missing:
+        raise ValueError(f"no weights given for {len(missing)} parameters, e.g. {missing[:3]}")

@@ -1,0 +1,466 @@
+"""GLM-5 family (HF ``glm_moe_dsa``): MLA + DeepSeek sparse attention (DSA) + sigmoid MoE.
+
+Every layer is Megatron's ``AbsorbedMLASelfAttention`` with ``DSAttention`` as core attention
+(the layout of Megatron's own ``get_dsa_module_spec_for_backend``: duplicated down projections;
+the local spec uses ``glm5_layers.GlmAbsorbedMLASelfAttention`` for that, and absorbed MLA needs
+``--sequence-parallel`` whenever TP > 1); the MLP is a SwiGLU ``MLP``
+for the first ``first_k_dense_replace`` layers (HF ``mlp_layer_types == "dense"``) and Megatron's
+``MoELayer`` otherwise (``moe_layer_freq`` list). How HF semantics map onto Megatron settings:
+
+- MLA: ``q_a_proj -> q_a_layernorm -> q_b_proj`` and ``kv_a_proj_with_mqa -> kv_a_layernorm ->
+  kv_b_proj`` are Megatron's q/kv down/up projections with ``qk_layernorm``; per-head layouts
+  (``[nope, rope]`` for q, ``[k_nope, v]`` for kv_b) are identical, so weights map one to one.
+  HF applies RoPE to the rope slice with ``apply_rotary_pos_emb_interleave`` (pairs
+  ``(x0, x1), ...`` rotated, output de-interleaved): that is exactly Megatron's
+  ``mla_rotary_interleaved`` path (always on in MLA). HF's latent norms use eps 1e-6, not
+  ``rms_norm_eps`` (see ``glm5_layers.fixed_eps_norm``). Softmax scale ``1/sqrt(nope + rope)``.
+- DSA indexer: ``wq_b`` (from the normed q latent), ``wk`` + LayerNorm(eps 1e-6, with bias),
+  interleaved RoPE on the first ``qk_rope_head_dim`` dims (``dsa_indexer_rope_interleaved``),
+  ``relu(q.k) * w * n_heads^-0.5 * head_dim^-0.5`` summed over heads (``dsa_indexer_scoring_relu``;
+  no Hadamard rotation), causal mask, top-``index_topk``; attention is causal AND top-k.
+- ``indexer_types``: a ``"shared"`` layer reuses the top-k of the most recent ``"full"`` layer
+  (HF passes ``topk_indices`` down the stack). Megatron's ``dsa_indexer_topk_freq`` /
+  ``dsa_indexer_skip_topk_offset`` express the periodic patterns HF derives from
+  ``index_topk_freq`` / ``index_skip_topk_offset`` (same formula, same source layer); an
+  arbitrary pattern is refused with a ValueError.
+- Router: ``sigmoid`` scores, ``e_score_correction_bias`` -> ``expert_bias`` (buffer, routing
+  only), group-limited routing (HF sums the top-2 scores of a group; Megatron the top
+  ``topk // group_topk``, so a restricting grouping needs ``topk // topk_group == 2``), top-k
+  weights renormalized (Megatron always does for sigmoid, so ``norm_topk_prob`` must be true),
+  times ``routed_scaling_factor`` (``moe_router_topk_scaling_factor``); router math in fp32.
+- Experts: HF ``gate_up_proj[e]`` is ``[gate; up]`` = Megatron's fused ``linear_fc1`` of
+  ``SequentialMLP`` expert ``e``; the shared expert is ``moe_shared_expert_intermediate_size``.
+- The full state dict uses GLOBAL expert numbers in ``local_experts.{e}``; ``load_full_state_dict``
+  keeps the experts of this EP rank and renumbers them.
+- The router's ``expert_bias`` keeps Megatron's aux-loss-free update (``moe_router_bias_update_rate``)
+  when training runs ``finalize_model_grads``; RoPE: ``rope_type`` ``default`` only (YaRN refused).
+- HF checkpoints carry an MTP layer (``model.layers.{num_hidden_layers}.*``) that HF's own model
+  ignores; it is dropped here as well, with a warning.
+"""
+
+import re
+import warnings
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+    _validate_dsa_index_share_pipeline_split,
+)
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.enums import AttnMaskType, LayerType
+from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+    AbsorbedMLASelfAttention,
+    AbsorbedMLASelfAttentionSubmodules,
+)
+from megatron.core.transformer.experimental_attention_variant.dsa import (
+    DSAIndexer,
+    DSAIndexerSubmodules,
+    DSAttention,
+    DSAttentionSubmodules,
+    is_dsa_skip_topk_layer,
+)
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from megatron_longstraw.models.glm5_layers import (
+    DuplicatedLinear,
+    GlmAbsorbedMLASelfAttention,
+    IndexerLayerNorm,
+    fixed_eps_norm,
+)
+from megatron_longstraw.models.hf_config import get, require, rope_parameters
+from megatron_longstraw.models.norms import RMSNorm
+from megatron_longstraw.models.options import ModelOptions
+
+MODEL_TYPES = ("glm_moe_dsa",)
+FAMILY = "GLM-5"
+
+_REQUIRED = (
+    "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "vocab_size",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "index_topk", "index_head_dim", "index_n_heads", "indexer_types", "mlp_layer_types",
+)
+HF_LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the class default eps
+HF_INDEXER_NORM_EPS = 1e-6  # HF's indexer k_norm is nn.LayerNorm(index_head_dim, eps=1e-6)
+
+
+def _fail(hf: dict, message: str):
+    raise ValueError(f"{hf.get('_source', 'config')}: {message}")
+
+
+def normalize_hf_config(hf: dict) -> dict:
+    """Fill HF's derived fields (``indexer_types``, ``mlp_layer_types``) as HF does; validate."""
+    hf = dict(hf)
+    for alias in ("num_local_experts", "num_experts"):
+        if hf.get("n_routed_experts") is None and hf.get(alias) is not None:
+            hf["n_routed_experts"] = hf[alias]
+    layers = hf.get("num_hidden_layers")
+    if hf.get("indexer_types") is None and layers:
+        pattern = hf.get("index_topk_pattern")
+        if pattern is not None:
+            hf["indexer_types"] = ([{"F": "full", "S": "shared"}[c] for c in pattern]
+                                   if isinstance(pattern, str) else list(pattern))
+        else:  # HF GlmMoeDsaConfig.__post_init__
+            freq = max(get(hf, "index_topk_freq", 1), 1)
+            offset = get(hf, "index_skip_topk_offset", 2)
+            hf["indexer_types"] = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                                   for i in range(layers)]
+    if hf.get("mlp_layer_types") is None and layers:
+        dense = min(get(hf, "first_k_dense_replace", 3), layers)
+        hf["mlp_layer_types"] = ["dense"] * dense + ["sparse"] * (layers - dense)
+    require(hf, _REQUIRED, FAMILY)
+    for field, allowed in (("indexer_types", ("full", "shared")), ("mlp_layer_types", ("dense", "sparse"))):
+        values = hf[field]
+        if len(values) != layers or any(v not in allowed for v in values):
+            _fail(hf, f"{field} must list {layers} entries from {allowed}, got {list(values)[:8]}...")
+    if hf["indexer_types"][0] != "full":
+        _fail(hf, "indexer_types[0] must be 'full' (a shared layer needs an earlier full layer)")
+    return hf
+
+
+def _indexer_share_schedule(hf: dict) -> tuple[int, int]:
+    """``(dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset)`` reproducing ``indexer_types``."""
+    types = hf["indexer_types"]
+    layers = len(types)
+    if all(t == "full" for t in types):
+        return 1, 0
+    for freq in range(2, layers + 1):
+        for offset in range(1, layers + 1):
+            pattern = ["shared" if is_dsa_skip_topk_layer(i + 1, offset, freq) else "full"
+                       for i in range(layers)]
+            if pattern == list(types):
+                return freq, offset
+    _fail(hf, "indexer_types is not a periodic full/shared pattern (index_topk_freq / "
+              "index_skip_topk_offset); Megatron's DSA top-k sharing cannot express it")
+
+
+def _check_divisible(value: int, what: str, size: int, flag: str) -> None:
+    if value % size:
+        raise ValueError(f"{what} ({value}) is not divisible by {flag} {size}")
+
+
+def _rope_kwargs(hf: dict) -> dict:
+    rope = rope_parameters(hf)
+    rope_type = rope.get("rope_type", "default")
+    theta = get(rope, "rope_theta", 10_000.0)
+    if get(rope, "partial_rotary_factor", 1.0) != 1.0:
+        _fail(hf, "partial_rotary_factor != 1 is not supported for GLM-5 (RoPE covers qk_rope_head_dim)")
+    if rope_type == "default":
+        # rotary_scaling_factor / mscale_all_dim make Megatron's softmax mscale exactly 1.0
+        return dict(rope_type="rope", rotary_base=theta, rotary_percent=1.0,
+                    rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    _fail(hf, f"rope_type {rope_type!r} is not supported for GLM-5 (only 'default')")
+
+
+def _routing_kwargs(hf: dict) -> dict:
+    experts, topk = hf["n_routed_experts"], hf["num_experts_per_tok"]
+    groups, group_topk = get(hf, "n_group", 1), get(hf, "topk_group", 1)
+    if not get(hf, "norm_topk_prob", True):
+        _fail(hf, "norm_topk_prob=false is not supported (Megatron's sigmoid router renormalizes)")
+    if topk < 2:
+        _fail(hf, "num_experts_per_tok must be >= 2 (Megatron skips renormalizing a single expert)")
+    if experts % groups or experts // groups < 2 or not 1 <= group_topk <= groups:
+        _fail(hf, f"n_group ({groups}) / topk_group ({group_topk}) do not fit {experts} experts")
+    if group_topk == groups:  # every group is kept: plain top-k
+        return dict(moe_router_num_groups=None, moe_router_group_topk=None)
+    if topk // group_topk != 2:
+        _fail(hf, f"group-limited routing needs num_experts_per_tok // topk_group == 2 (HF scores "
+                  f"a group by its top-2 experts), got {topk} // {group_topk}")
+    return dict(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+
+
+def transformer_config(hf: dict, options: ModelOptions) -> MLATransformerConfig:
+    """Megatron ``MLATransformerConfig`` for a normalized GLM-5 config (validated)."""
+    hf = normalize_hf_config(hf)
+    kwargs = options.config_kwargs()
+    tp, ep = kwargs["tensor_model_parallel_size"], kwargs["expert_model_parallel_size"]
+    tp_flag = "--tensor-model-parallel-size"
+    for field in ("num_attention_heads", "intermediate_size", "moe_intermediate_size",
+                  "vocab_size", "q_lora_rank"):
+        _check_divisible(hf[field], field, tp, tp_flag)
+    _check_divisible(hf["kv_lora_rank"] + hf["qk_rope_head_dim"],
+                     "kv_lora_rank + qk_rope_head_dim", tp, tp_flag)
+    _check_divisible(hf["n_routed_experts"], "n_routed_experts", ep, "--expert-model-parallel-size")
+    if tp > 1 and not kwargs["sequence_parallel"]:
+        raise ValueError("GLM-5 (Megatron's absorbed MLA) needs --sequence-parallel when "
+                         "--tensor-model-parallel-size > 1")
+    if get(hf, "num_key_value_heads", hf["num_attention_heads"]) != hf["num_attention_heads"]:
+        _fail(hf, "num_key_value_heads must equal num_attention_heads (MLA has one KV per head)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if get(hf, flag, False):
+            _fail(hf, f"{flag}=true is not supported for GLM-5")
+    if get(hf, "hidden_act", "silu") != "silu":
+        _fail(hf, f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+    if hf["index_head_dim"] < hf["qk_rope_head_dim"]:
+        _fail(hf, "index_head_dim must be >= qk_rope_head_dim")
+    topk_freq, skip_offset = _indexer_share_schedule(hf)
+    shared = get(hf, "n_shared_experts", 1)
+    return MLATransformerConfig(
+        **kwargs,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        layernorm_epsilon=get(hf, "rms_norm_eps", 1e-5),
+        # MLA
+        multi_latent_attention=True,
+        q_lora_rank=hf["q_lora_rank"],
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_head_dim=hf["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        qk_layernorm=True,
+        **_rope_kwargs(hf),
+        # DSA
+        experimental_attention_variant="dsa",
+        dsa_indexer_n_heads=hf["index_n_heads"],
+        dsa_indexer_head_dim=hf["index_head_dim"],
+        dsa_indexer_topk=hf["index_topk"],
+        dsa_indexer_topk_freq=topk_freq,
+        dsa_indexer_skip_topk_offset=skip_offset,
+        dsa_indexer_rope_interleaved=True,
+        dsa_indexer_rotate_activation=False,
+        dsa_indexer_scoring_relu=True,
+        dsa_indexer_k_norm_epsilon=HF_INDEXER_NORM_EPS,
+        # MoE
+        num_moe_experts=hf["n_routed_experts"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_layer_freq=[int(t == "sparse") for t in hf["mlp_layer_types"]],
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=get(hf, "routed_scaling_factor", 1.0),
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * shared if shared else None,
+        moe_token_dispatcher_type="alltoall" if ep > 1 else "allgather",
+        moe_grouped_gemm=False,
+        **_routing_kwargs(hf),
+    )
+
+
+# ----------------------------------------------------------------------------- layer specs
+
+
+def attention_spec(config: TransformerConfig, backend) -> ModuleSpec:
+    """``AbsorbedMLASelfAttention`` + ``DSAttention``/``DSAIndexer`` for the given backend.
+
+    Transformer Engine: Megatron's ``get_dsa_module_spec_for_backend`` layout (duplicated
+    ``TELinear`` down projections and indexer linears, ``TENorm``). Local: the same layout with
+    ``DuplicatedLinear`` (through ``GlmAbsorbedMLASelfAttention``, see ``glm5_layers``) and the
+    project's SP-aware ``RMSNorm``.
+    """
+    te = backend.fuse_layernorm_and_linear()
+    if te:
+        attention, duplicated = AbsorbedMLASelfAttention, backend.linear()
+        latent_norm = backend.layer_norm(rms_norm=True, for_qk=True)
+        k_norm = backend.layer_norm(rms_norm=False, for_qk=True)
+    else:
+        attention, duplicated = GlmAbsorbedMLASelfAttention, DuplicatedLinear
+        latent_norm, k_norm = RMSNorm, IndexerLayerNorm
+    latent_norm = fixed_eps_norm(latent_norm, HF_LATENT_NORM_EPS)
+    indexer = ModuleSpec(
+        module=DSAIndexer,
+        submodules=DSAIndexerSubmodules(
+            linear_wq_b=duplicated, linear_wk=duplicated, k_norm=k_norm,
+            linear_weights_proj=duplicated,
+        ),
+    )
+    return ModuleSpec(
+        module=attention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=AbsorbedMLASelfAttentionSubmodules(
+            linear_q_down_proj=duplicated,
+            linear_q_up_proj=backend.column_parallel_linear(),
+            linear_kv_down_proj=duplicated,
+            linear_kv_up_proj=backend.column_parallel_linear(),
+            core_attention=ModuleSpec(module=DSAttention,
+                                      submodules=DSAttentionSubmodules(indexer=indexer)),
+            linear_proj=backend.row_parallel_linear(),
+            q_layernorm=latent_norm,
+            kv_layernorm=latent_norm,
+        ),
+    )
+
+
+def block_spec(config: TransformerConfig, backend, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
+    """This pipeline stage's layer specs: DSA attention everywhere, dense MLP or MoE per
+    ``moe_layer_freq``; norms are unfused RMSNorms (DSA needs the normed latents)."""
+    te = backend.fuse_layernorm_and_linear()
+    norm = backend.layer_norm(rms_norm=True) if te else RMSNorm
+    attention = attention_spec(config, backend)
+    dense = ModuleSpec(module=MLP, submodules=MLPSubmodules(
+        linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear()))
+    moe = get_moe_module_spec_for_backend(backend, num_experts=config.num_moe_experts,
+                                          moe_grouped_gemm=False)
+    layers = [
+        ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=moe if is_moe else dense,
+            mlp_bda=get_bias_dropout_add,
+        ))
+        for is_moe in config.moe_layer_freq
+    ]
+    if config.pipeline_model_parallel_layout is not None:
+        local_ids = config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_ids = range(offset, offset + count)
+    _validate_dsa_index_share_pipeline_split(config, local_ids)
+    return TransformerBlockSubmodules(layer_specs=[layers[i] for i in local_ids], layer_norm=norm)
+
+
+def gpt_model_kwargs(hf: dict) -> dict:
+    """Vocabulary and tying for ``GPTModel`` (RoPE lives inside MLA, configured in the config)."""
+    return dict(
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=get(hf, "max_position_embeddings", 202_752),
+        position_embedding_type="rope",  # GPTModel builds no rotary module for MLA
+        share_embeddings_and_output_weights=get(hf, "tie_word_embeddings", False),
+    )
+
+
+# ----------------------------------------------------------------------------- weight mapping
+
+# (HF suffix within a layer, Megatron suffix within a layer) for one-to-one tensors
+_ATTN = "self_attention."
+_INDEXER = _ATTN + "core_attention.indexer."
+_LAYER_RENAMES = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+    ("self_attn.q_a_proj.weight", _ATTN + "linear_q_down_proj.weight"),
+    ("self_attn.q_a_layernorm.weight", _ATTN + "q_layernorm.weight"),
+    ("self_attn.q_b_proj.weight", _ATTN + "linear_q_up_proj.weight"),
+    ("self_attn.kv_a_proj_with_mqa.weight", _ATTN + "linear_kv_down_proj.weight"),
+    ("self_attn.kv_a_layernorm.weight", _ATTN + "kv_layernorm.weight"),
+    ("self_attn.kv_b_proj.weight", _ATTN + "linear_kv_up_proj.weight"),
+    ("self_attn.o_proj.weight", _ATTN + "linear_proj.weight"),
+    ("self_attn.indexer.wq_b.weight", _INDEXER + "linear_wq_b.weight"),
+    ("self_attn.indexer.wk.weight", _INDEXER + "linear_wk.weight"),
+    ("self_attn.indexer.k_norm.weight", _INDEXER + "k_norm.weight"),
+    ("self_attn.indexer.k_norm.bias", _INDEXER + "k_norm.bias"),
+    ("self_attn.indexer.weights_proj.weight", _INDEXER + "linear_weights_proj.weight"),
+    ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
+    ("mlp.gate.weight", "mlp.router.weight"),
+    ("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias"),
+    ("mlp.shared_experts.down_proj.weight", "mlp.shared_experts.linear_fc2.weight"),
+)
+_GATE_UP = (  # HF (gate, up) pairs fused into Megatron's [gate; up] linear_fc1
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.linear_fc1.weight"),
+    ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+     "mlp.shared_experts.linear_fc1.weight"),
+)
+_EXPERT = "mlp.experts.local_experts.{}.linear_fc{}.weight"
+
+
+def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
+    """HF ``GlmMoeDsaForCausalLM`` weights -> full Megatron weights (local-spec names, global
+    expert numbers). MTP weights (layers >= ``num_hidden_layers``) are dropped with a warning."""
+    hf = normalize_hf_config(hf)
+    num_layers = hf["num_hidden_layers"]
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    dropped = []
+    for name, tensor in hf_state.items():
+        if name == "lm_head.weight":
+            if not get(hf, "tie_word_embeddings", False):
+                out["output_layer.weight"] = tensor
+        elif name == "model.embed_tokens.weight":
+            out["embedding.word_embeddings.weight"] = tensor
+        elif name == "model.norm.weight":
+            out["decoder.final_layernorm.weight"] = tensor
+        elif match := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name):
+            if int(match.group(1)) >= num_layers:
+                dropped.append(name)
+            else:
+                layers.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+        else:
+            raise ValueError(f"unexpected HF weight {name!r}")
+    if dropped:
+        warnings.warn(f"GLM-5: dropping {len(dropped)} MTP weights (model.layers.{num_layers}.*); "
+                      "multi-token prediction is not part of the Megatron model")
+    renames = dict(_LAYER_RENAMES)
+    for index, tensors in sorted(layers.items()):
+        prefix = f"decoder.layers.{index}."
+        for gate, up, fused in _GATE_UP:
+            if gate in tensors:
+                out[prefix + fused] = torch.cat([tensors.pop(gate), tensors.pop(up)], dim=0)
+        if "mlp.experts.gate_up_proj" in tensors:
+            gate_up_EFH = tensors.pop("mlp.experts.gate_up_proj")
+            down_EHF = tensors.pop("mlp.experts.down_proj")
+            for expert in range(gate_up_EFH.shape[0]):
+                out[prefix + _EXPERT.format(expert, 1)] = gate_up_EFH[expert]
+                out[prefix + _EXPERT.format(expert, 2)] = down_EHF[expert]
+        if hf["mlp_layer_types"][index] == "sparse" and "mlp.gate.e_score_correction_bias" not in tensors:
+            raise ValueError(f"HF weights lack 'model.layers.{index}.mlp.gate.e_score_correction_bias'")
+        for suffix, tensor in tensors.items():
+            if suffix not in renames:
+                raise ValueError(f"unexpected HF weight 'model.layers.{index}.{suffix}'")
+            out[prefix + renames[suffix]] = tensor
+    return out
+
+
+def mcore_to_hf(mcore_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
+    """Full Megatron weights (global expert numbers) -> HF weights; inverse of ``hf_to_mcore``."""
+    hf = normalize_hf_config(hf)
+    renames = {mc: hf_name for hf_name, mc in _LAYER_RENAMES}
+    fused = {mc: (gate, up) for gate, up, mc in _GATE_UP}
+    experts: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in mcore_state.items():
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = tensor
+        elif name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = tensor
+        elif name == "output_layer.weight":
+            out["lm_head.weight"] = tensor
+        elif match := re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name):
+            prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
+            if expert := re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", suffix):
+                experts.setdefault((prefix, int(expert.group(2))), {})[int(expert.group(1))] = tensor
+            elif suffix in fused:
+                gate, up = torch.chunk(tensor, 2, dim=0)
+                out[prefix + fused[suffix][0]], out[prefix + fused[suffix][1]] = gate, up
+            elif suffix in renames:
+                out[prefix + renames[suffix]] = tensor
+            else:
+                raise ValueError(f"unexpected Megatron weight {name!r}")
+        else:
+            raise ValueError(f"unexpected Megatron weight {name!r}")
+    for (prefix, fc), by_expert in experts.items():
+        if sorted(by_expert) != list(range(hf["n_routed_experts"])):
+            raise ValueError(f"{prefix}: expected experts 0..{hf['n_routed_experts'] - 1}, "
+                             f"got {sorted(by_expert)[:8]}")
+        stacked = torch.stack([by_expert[e] for e in range(len(by_expert))])
+        out[prefix + ("mlp.experts.gate_up_proj" if fc == 1 else "mlp.experts.down_proj")] = stacked
+    if get(hf, "tie_word_embeddings", False):
+        out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def tp_sections(name: str, config: TransformerConfig) -> list[int] | None:
+    """Full-size sections of fused tensors that TP splits section by section."""
+    if name.endswith("shared_experts.linear_fc1.weight"):
+        return [config.moe_shared_expert_intermediate_size] * 2
+    if re.search(r"experts\.local_experts\.\d+\.linear_fc1\.weight$", name):
+        return [config.moe_ffn_hidden_size] * 2
+    if name.endswith("mlp.linear_fc1.weight"):
+        return [config.ffn_hidden_size] * 2
+    return None

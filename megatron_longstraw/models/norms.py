@@ -1,0 +1,53 @@
+"""RMSNorm for the local spec: fp32 math, optional zero-centred ("1 + w") gamma, SP-aware.
+
+Megatron's local ``WrappedTorchNorm`` refuses ``layernorm_zero_centered_gamma`` and sequence
+parallelism, both of which Qwen3.5 needs; Transformer Engine's ``TENorm`` supports them and is
+used by the TE spec instead.
+"""
+
+import copy
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class RMSNorm(torch.nn.Module):
+    """``x / rms(x) * w`` (or ``* (1 + w)`` when zero-centred), computed in fp32.
+
+    ``zero_centered_gamma=None`` follows ``config.layernorm_zero_centered_gamma``; a spec may
+    force it off for a norm whose reference weight is plain (Gated DeltaNet's output norm).
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6,
+                 zero_centered_gamma=None, **kwargs):
+        super().__init__()
+        if zero_centered_gamma is None:
+            zero_centered_gamma = config.layernorm_zero_centered_gamma
+        self.zero_centered_gamma = zero_centered_gamma
+        self.eps = eps
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype, device=device))
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize over the last dimension."""
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        gamma = self.weight.float() + 1.0 if self.zero_centered_gamma else self.weight.float()
+        return (y * gamma).to(x.dtype)
+
+
+class PlainTENorm:
+    """Transformer Engine RMSNorm with zero-centred gamma forced off, whatever the config says.
+
+    Used under the TE spec for norms whose reference weight is plain ``w`` although the model's
+    other norms are ``1 + w`` (Qwen3.5's Gated DeltaNet output norm).
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        plain = copy.copy(config)
+        plain.layernorm_zero_centered_gamma = False
+        return TENorm(plain, hidden_size, eps)

@@ -1,0 +1,92 @@
+"""Build options shared by every family: implementation, precision and FP8 settings."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+@dataclass
+class ModelOptions:
+    """How to build a model (not what model): backend, dtype, FP8, sequence parallel."""
+
+    transformer_impl: str = "local"
+    params_dtype: torch.dtype = torch.float32
+    fp8_format: Optional[str] = None
+    fp8_recipe: str = "delayed"
+    sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the flag for options that cannot work here."""
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(
+                f"--transformer-impl must be one of {TRANSFORMER_IMPLS}, got {self.transformer_impl!r}"
+            )
+        if self.fp8_format is not None and self.fp8_format not in FP8_FORMATS:
+            raise ValueError(f"--fp8-format must be one of {FP8_FORMATS}, got {self.fp8_format!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"--fp8-recipe must be one of {FP8_RECIPES}, got {self.fp8_recipe!r}")
+        needs_te = self.transformer_impl == "transformer_engine" or self.fp8_format is not None
+        if needs_te and not have_transformer_engine():
+            flag = "--fp8-format" if self.fp8_format else "--transformer-impl transformer_engine"
+            raise ValueError(f"{flag} needs Transformer Engine, which is not installed")
+        if self.fp8_format is not None and self.transformer_impl != "transformer_engine":
+            raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
+
+    def config_kwargs(self) -> dict:
+        """``TransformerConfig`` keyword arguments common to every family."""
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        return dict(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            context_parallel_size=parallel_state.get_context_parallel_world_size(),
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            sequence_parallel=self.sequence_parallel and tp > 1,
+            params_dtype=self.params_dtype,
+            pipeline_dtype=self.params_dtype,
+            bf16=self.params_dtype == torch.bfloat16,
+            fp16=self.params_dtype == torch.float16,
+            transformer_impl=self.transformer_impl,
+            fp8=self.fp8_format,
+            fp8_recipe=self.fp8_recipe if self.fp8_format else "delayed",
+            use_cpu_initialization=not torch.cuda.is_available(),
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            normalization="RMSNorm",
+            add_bias_linear=False,
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+            recompute_granularity=self.recompute_granularity,
+        )
+
+
+def have_transformer_engine() -> bool:
+    """True when ``transformer_engine.pytorch`` imports."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a broken install that fails on load
+        return False
+    return True
+
+
+def backend_provider(options: ModelOptions):
+    """Megatron's spec provider for the chosen implementation (local or Transformer Engine)."""
+    options.validate()
+    if options.transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    from megatron.core.models.backends import LocalSpecProvider
+
+    return LocalSpecProvider()

@@ -1,0 +1,328 @@
+"""Qwen3.5 / Qwen3.6 hybrid family (HF ``qwen3_5`` / ``qwen3_5_text``), text model.
+
+Layers follow HF ``layer_types``: ``linear_attention`` layers are Megatron's ``GatedDeltaNet``
+(fused in_proj ``[q, k, v, z, beta, alpha]``, causal conv over ``[q, k, v]``, gated RMSNorm,
+L2-normed q/k), ``full_attention`` layers are Megatron's ``SelfAttention`` with the output gate,
+per-head zero-centred q/k RMSNorm and partial RoPE (0.25), core attention from this project.
+Every layer has a SwiGLU MLP; all RMSNorms are zero-centred ("1 + w") except Gated DeltaNet's
+output norm, which is plain ``w`` in HF and stays plain here, so weights map one to one.
+
+Weight layout differences handled by ``hf_to_mcore`` / ``mcore_to_hf``:
+- attention ``q_proj`` rows are per head ``[q_h, gate_h]``; Megatron's ``linear_qkv`` rows are per
+  KV group ``[q heads of g, gate heads of g, k_g, v_g]``;
+- GDN ``in_proj_qkv|z|b|a`` concatenate into ``in_proj`` (TP splits each section, ``tp_sections``);
+- MLP ``gate_proj``/``up_proj`` concatenate into ``linear_fc1``.
+"""
+
+import re
+from functools import partial
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
+from megatron_longstraw.models.hf_config import get, require, rope_parameters
+from megatron_longstraw.models.norms import PlainTENorm, RMSNorm
+from megatron_longstraw.models.options import ModelOptions
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+FAMILY = "Qwen3.5"
+
+_REQUIRED = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "linear_conv_kernel_dim",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+    "linear_num_value_heads", "layer_types",
+)
+_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def normalize_hf_config(hf: dict) -> dict:
+    """Flatten a ``qwen3_5`` (multimodal) config to its ``text_config`` and validate it."""
+    if hf.get("model_type") == "qwen3_5":
+        if "text_config" not in hf:
+            raise ValueError(f"{hf.get('_source', 'config')}: missing field 'text_config'")
+        text = dict(hf["text_config"])
+        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+        text["model_type"] = "qwen3_5_text"
+        text["_source"] = hf.get("_source", "config")
+        hf = text
+    hf = dict(hf)
+    if hf.get("layer_types") is None and hf.get("num_hidden_layers"):
+        interval = get(hf, "full_attention_interval", 4)
+        hf["layer_types"] = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
+    require(hf, _REQUIRED, FAMILY)
+    bad = [t for t in hf["layer_types"] if t not in _LAYER_TYPES]
+    if bad or len(hf["layer_types"]) != hf["num_hidden_layers"]:
+        raise ValueError(
+            f"{hf.get('_source', 'config')}: layer_types must list {hf['num_hidden_layers']} "
+            f"entries from {_LAYER_TYPES}, got {len(hf['layer_types'])} (bad: {bad[:3]})"
+        )
+    return hf
+
+
+def _check_divisible(value: int, what: str, tp: int) -> None:
+    if value % tp:
+        raise ValueError(f"{what} ({value}) is not divisible by --tensor-model-parallel-size {tp}")
+
+
+def transformer_config(hf: dict, options: ModelOptions) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` for a normalized Qwen3.5 config."""
+    kwargs = options.config_kwargs()
+    tp = kwargs["tensor_model_parallel_size"]
+    for field in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads",
+                  "linear_num_value_heads", "intermediate_size", "vocab_size"):
+        _check_divisible(hf[field], field, tp)
+    if hf["linear_num_value_heads"] % hf["linear_num_key_heads"]:
+        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    linear_pattern = [int(t == "linear_attention") for t in hf["layer_types"]]
+    return TransformerConfig(
+        **kwargs,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf["num_key_value_heads"],
+        kv_channels=hf["head_dim"],
+        layernorm_epsilon=get(hf, "rms_norm_eps", 1e-6),
+        layernorm_zero_centered_gamma=True,
+        qk_layernorm=True,
+        attention_output_gate=True,
+        add_qkv_bias=get(hf, "attention_bias", False),
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=linear_pattern,
+        linear_conv_kernel_dim=hf["linear_conv_kernel_dim"],
+        linear_key_head_dim=hf["linear_key_head_dim"],
+        linear_value_head_dim=hf["linear_value_head_dim"],
+        linear_num_key_heads=hf["linear_num_key_heads"],
+        linear_num_value_heads=hf["linear_num_value_heads"],
+    )
+
+
+def _norm(backend, plain: bool = False):
+    if backend.fuse_layernorm_and_linear():  # Transformer Engine
+        return PlainTENorm if plain else backend.layer_norm(rms_norm=True)
+    return ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False}) if plain else RMSNorm
+
+
+def _attention_spec(backend) -> tuple[ModuleSpec, bool]:
+    fused = backend.fuse_layernorm_and_linear()
+    qkv = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
+    spec = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=qkv,
+            core_attention=SDPACoreAttention,
+            linear_proj=backend.row_parallel_linear(),
+            q_layernorm=_norm(backend),
+            k_layernorm=_norm(backend),
+        ),
+    )
+    return spec, fused
+
+
+def _gated_delta_net_spec(backend) -> tuple[ModuleSpec, bool]:
+    fused = backend.fuse_layernorm_and_linear()
+    in_proj = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
+    spec = ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=in_proj, out_norm=_norm(backend, plain=True), out_proj=backend.row_parallel_linear()
+        ),
+    )
+    return spec, fused
+
+
+def block_spec(config: TransformerConfig, backend) -> TransformerBlockSubmodules:
+    """Per-layer specs following ``linear_attention_freq`` (1 = Gated DeltaNet)."""
+    fused = backend.fuse_layernorm_and_linear()
+    mlp = partial(
+        MLP.as_mlp_submodule,
+        submodules=MLPSubmodules(
+            linear_fc1=backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear(),
+            linear_fc2=backend.row_parallel_linear(),
+        ),
+    )
+    layers = []
+    for is_linear in config.linear_attention_freq:
+        mixer, fused_in = (_gated_delta_net_spec if is_linear else _attention_spec)(backend)
+        layers.append(ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=IdentityOp if fused_in else _norm(backend),
+                self_attention=mixer,
+                self_attn_bda=get_bias_dropout_add,
+                pre_mlp_layernorm=IdentityOp if fused else _norm(backend),
+                mlp=mlp,
+                mlp_bda=get_bias_dropout_add,
+            ),
+        ))
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=_norm(backend))
+
+
+def gpt_model_kwargs(hf: dict) -> dict:
+    """Vocabulary, RoPE and tying settings for ``GPTModel``."""
+    rope = rope_parameters(hf)
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{hf.get('_source', 'config')}: rope_type {rope['rope_type']!r} "
+                         "is not supported for Qwen3.5 (only 'default')")
+    return dict(
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=get(hf, "max_position_embeddings", 262_144),
+        position_embedding_type="rope",
+        rotary_percent=get(rope, "partial_rotary_factor", 0.25),
+        rotary_base=get(rope, "rope_theta", 10_000_000),
+        share_embeddings_and_output_weights=get(hf, "tie_word_embeddings", False),
+    )
+
+
+# ----------------------------------------------------------------------------- weight mapping
+
+_HF_PREFIXES = ("model.language_model.", "model.")
+
+
+def _strip_prefix(name: str) -> str | None:
+    for prefix in _HF_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return None
+
+
+def _qkv_to_mcore(q_gate, k, v, hf) -> torch.Tensor:
+    heads, groups, dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    per_group = heads // groups
+    q_gate = q_gate.reshape(groups, per_group, 2, dim, -1)
+    q, gate = q_gate[:, :, 0], q_gate[:, :, 1]
+    k, v = k.reshape(groups, 1, dim, -1), v.reshape(groups, 1, dim, -1)
+    fused = torch.cat([q.reshape(groups, per_group * dim, -1), gate.reshape(groups, per_group * dim, -1),
+                       k.reshape(groups, dim, -1), v.reshape(groups, dim, -1)], dim=1)
+    return fused.reshape(-1, fused.shape[-1])
+
+
+def _qkv_to_hf(fused, hf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    heads, groups, dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    per_group = heads // groups
+    fused = fused.reshape(groups, (2 * per_group + 2) * dim, -1)
+    q, gate, k, v = torch.split(fused, [per_group * dim, per_group * dim, dim, dim], dim=1)
+    q_gate = torch.stack([q.reshape(groups, per_group, dim, -1),
+                          gate.reshape(groups, per_group, dim, -1)], dim=2)
+    return q_gate.reshape(heads * 2 * dim, -1), k.reshape(groups * dim, -1), v.reshape(groups * dim, -1)
+
+
+# (HF suffix within a layer, Megatron suffix within a layer) for one-to-one tensors
+_LAYER_RENAMES = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+    ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
+    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+    ("linear_attn.conv1d.weight", "self_attention.conv1d.weight"),
+    ("linear_attn.dt_bias", "self_attention.dt_bias"),
+    ("linear_attn.A_log", "self_attention.A_log"),
+    ("linear_attn.norm.weight", "self_attention.out_norm.weight"),
+    ("linear_attn.out_proj.weight", "self_attention.out_proj.weight"),
+)
+_GDN_IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
+    """HF weights (``model.`` or ``model.language_model.`` prefix) -> full Megatron weights."""
+    hf = normalize_hf_config(hf)
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in hf_state.items():
+        if name == "lm_head.weight":
+            if not get(hf, "tie_word_embeddings", False):
+                out["output_layer.weight"] = tensor
+            continue
+        short = _strip_prefix(name)
+        if short is None or short.startswith(("visual.", "mtp.")):
+            continue  # vision tower and MTP heads are not part of the text model
+        if short == "embed_tokens.weight":
+            out["embedding.word_embeddings.weight"] = tensor
+        elif short == "norm.weight":
+            out["decoder.final_layernorm.weight"] = tensor
+        elif match := re.fullmatch(r"layers\.(\d+)\.(.+)", short):
+            layers.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+        else:
+            raise ValueError(f"unexpected HF weight {name!r}")
+    renames = dict(_LAYER_RENAMES)
+    for index, tensors in sorted(layers.items()):
+        prefix = f"decoder.layers.{index}."
+        mlp = (tensors.pop("mlp.gate_proj.weight"), tensors.pop("mlp.up_proj.weight"))
+        out[prefix + "mlp.linear_fc1.weight"] = torch.cat(mlp, dim=0)
+        if hf["layer_types"][index] == "full_attention":
+            out[prefix + "self_attention.linear_qkv.weight"] = _qkv_to_mcore(
+                *(tensors.pop(f"self_attn.{p}_proj.weight") for p in "qkv"), hf)
+        else:
+            out[prefix + "self_attention.in_proj.weight"] = torch.cat(
+                [tensors.pop(f"linear_attn.{p}.weight") for p in _GDN_IN_PROJ], dim=0)
+        for suffix, tensor in tensors.items():
+            if suffix not in renames:
+                raise ValueError(f"unexpected HF weight 'model.layers.{index}.{suffix}'")
+            out[prefix + renames[suffix]] = tensor
+    return out
+
+
+def mcore_to_hf(mcore_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
+    """Full Megatron weights -> HF ``Qwen3_5ForCausalLM`` weights (inverse of ``hf_to_mcore``)."""
+    hf = normalize_hf_config(hf)
+    renames = {mc: hf_name for hf_name, mc in _LAYER_RENAMES}
+    qk = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
+    v = hf["linear_num_value_heads"] * hf["linear_value_head_dim"]
+    split = [2 * qk + v, v, hf["linear_num_value_heads"], hf["linear_num_value_heads"]]
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in mcore_state.items():
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = tensor
+        elif name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = tensor
+        elif name == "output_layer.weight":
+            out["lm_head.weight"] = tensor
+        elif match := re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name):
+            prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
+            if suffix == "mlp.linear_fc1.weight":
+                gate, up = torch.chunk(tensor, 2, dim=0)
+                out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate, up
+            elif suffix == "self_attention.linear_qkv.weight":
+                for p, t in zip("qkv", _qkv_to_hf(tensor, hf)):
+                    out[prefix + f"self_attn.{p}_proj.weight"] = t
+            elif suffix == "self_attention.in_proj.weight":
+                for p, t in zip(_GDN_IN_PROJ, torch.split(tensor, split, dim=0)):
+                    out[prefix + f"linear_attn.{p}.weight"] = t
+            elif suffix in renames:
+                out[prefix + renames[suffix]] = tensor
+            else:
+                raise ValueError(f"unexpected Megatron weight {name!r}")
+        else:
+            raise ValueError(f"unexpected Megatron weight {name!r}")
+    if get(hf, "tie_word_embeddings", False):
+        out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def tp_sections(name: str, config: TransformerConfig) -> list[int] | None:
+    """Full-size sections of fused tensors that TP splits section by section."""
+    qk = config.linear_num_key_heads * config.linear_key_head_dim
+    v = config.linear_num_value_heads * config.linear_value_head_dim
+    if name.endswith("self_attention.in_proj.weight"):
+        return [qk, qk, v, v, config.linear_num_value_heads, config.linear_num_value_heads]
+    if name.endswith("self_attention.conv1d.weight"):
+        return [qk, qk, v]
+    if name.endswith("mlp.linear_fc1.weight"):
+        return [config.ffn_hidden_size, config.ffn_hidden_size]
+    return None

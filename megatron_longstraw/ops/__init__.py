@@ -1,0 +1,1 @@
+"""Kernels and their pure-torch references."""

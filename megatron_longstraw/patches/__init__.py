@@ -1,0 +1,48 @@
+"""Every runtime patch this project makes to Megatron-Core (or torch), one small module each.
+
+Each patch module exposes ``needed() -> bool``, ``apply()`` and ``revert()``. ``apply_patches()``
+applies, in order, those whose ``needed()`` is true; it is idempotent. Nothing outside this
+package monkeypatches Megatron. Current patches:
+
+- ``gdn_out_norm_tp_grads`` (everywhere): sum GDN ``out_norm`` gradients over TP ranks.
+
+CPU-only (a GPU host applies none of these):
+
+- ``cpu_current_device``: ``torch.cuda.current_device()`` -> cpu (Megatron allocates with it).
+- ``cpu_rng_tracker``: Megatron's CUDA RNG-states tracker on the CPU generator.
+- ``cpu_gated_delta_kernels``: GDN's fla Triton kernels -> pure-torch kernels.
+- ``cpu_no_compile``: Megatron's ``torch.compile``'d helpers run eagerly.
+- ``cpu_moe_alltoall``: the all-to-all MoE token dispatcher without CUDA streams (EP > 1).
+"""
+
+import importlib
+
+PATCHES = (
+    "gdn_out_norm_tp_grads",
+    "cpu_current_device",
+    "cpu_rng_tracker",
+    "cpu_gated_delta_kernels",
+    "cpu_no_compile",
+    "cpu_moe_alltoall",
+)
+
+_applied: list[str] = []
+
+
+def _module(name):
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def apply_patches() -> list[str]:
+    """Apply every needed patch once; returns the names of the patches in force."""
+    for name in PATCHES:
+        if name not in _applied and _module(name).needed():
+            _module(name).apply()
+            _applied.append(name)
+    return list(_applied)
+
+
+def revert_patches() -> None:
+    """Undo every applied patch (tests use this to check that a patch is what makes code run)."""
+    while _applied:
+        _module(_applied.pop()).revert()

@@ -1,0 +1,1 @@
+"""Helpers shared by the test suite and the GPU test runner (reference models, launchers)."""

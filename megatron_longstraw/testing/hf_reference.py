@@ -1,0 +1,70 @@
+"""Tiny Hugging Face reference models, built locally with random weights.
+
+On a machine without a GPU, transformers would pick fla's Triton kernels for Gated DeltaNet
+whenever fla imports (it does, also on CPU) and then fail; ``hf_model_class`` imports the
+modeling module with fla hidden so that transformers binds its own torch fallback.
+"""
+
+import importlib
+import sys
+
+import torch
+
+_MODELING = {
+    "qwen3_5_text": ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5ForCausalLM",
+                     "transformers.models.qwen3_5.configuration_qwen3_5", "Qwen3_5TextConfig"),
+    "glm_moe_dsa": ("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaForCausalLM",
+                    "transformers.models.glm_moe_dsa.configuration_glm_moe_dsa", "GlmMoeDsaConfig"),
+}
+
+
+def _import_without_fla(module_name: str):
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    hidden = {name: sys.modules[name] for name in list(sys.modules)
+              if name == "fla" or name.startswith("fla.")}
+    for name in hidden:
+        del sys.modules[name]
+    sys.modules["fla"] = None  # makes `import fla` raise ImportError
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+
+
+def hf_model_class(model_type: str):
+    """``(ModelClass, ConfigClass)`` for a model type; torch kernels forced when there is no GPU."""
+    modeling, model_cls, configuration, config_cls = _MODELING[model_type]
+    if torch.cuda.is_available():
+        module = importlib.import_module(modeling)
+    else:
+        module = _import_without_fla(modeling)
+    return getattr(module, model_cls), getattr(importlib.import_module(configuration), config_cls)
+
+
+def build_hf_model(hf: dict, seed: int = 0, dtype=torch.float32, init_scale: float = 0.02):
+    """A random-weight HF causal LM for ``hf`` (an HF-style config dict), in eval mode.
+
+    Every parameter is drawn from ``N(0, init_scale)`` (norm weights around their neutral value
+    plus noise) so that no weight is trivially zero or one and every mapping error shows; so is
+    the persistent MoE routing-bias buffer ``e_score_correction_bias`` (``N(0, 0.1)``).
+    """
+    model_cls, config_cls = hf_model_class(hf["model_type"])
+    fields = {k: v for k, v in hf.items() if not k.startswith("_") and k != "model_type"}
+    config = config_cls(**fields)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("A_log") or name.endswith("dt_bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif param.dim() >= 2 or "bias" in name:
+                param.normal_(0.0, init_scale if param.dim() >= 2 else 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # MoE routing bias (GLM-5, DeepSeek)
+                buffer.normal_(0.0, 0.1)
+    return model.eval()

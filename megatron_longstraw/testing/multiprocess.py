@@ -1,0 +1,53 @@
+"""Run a test function in N gloo processes (CPU) and collect each rank's return value."""
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        queue.put((rank, "ok", fn(*args)))
+    except BaseException:  # report every failure to the parent, which raises it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        from megatron_longstraw.distributed import destroy_distributed
+
+        destroy_distributed()
+
+
+def run_multiprocess(fn, world_size: int, *args, timeout: float = 600.0) -> list:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks; returns results in rank order.
+
+    ``fn`` must be importable (module level) and should call ``init_distributed`` itself.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+    return [results[r] for r in range(world_size)]

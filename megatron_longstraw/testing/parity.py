@@ -1,0 +1,77 @@
+"""Model-parity helpers shared by the CPU tests and the GPU test runner."""
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_longstraw.distributed import ParallelSizes, device, init_distributed
+from megatron_longstraw.models.builder import build_model, load_full_state_dict, shard_for_rank
+from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.registry import family_for
+from megatron_longstraw.testing.hf_reference import build_hf_model
+
+
+def megatron_from_hf(hf: dict, hf_model, options: ModelOptions = ModelOptions()):
+    """A Megatron model (full logits, eval mode) holding ``hf_model``'s weights."""
+    model = build_model(hf, options, parallel_output=False)
+    family = family_for(hf["model_type"])
+    load_full_state_dict(model, family.hf_to_mcore(hf_model.state_dict(), hf))
+    return model.eval()
+
+
+def forward_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits ``[b, s, vocab]`` for ``tokens_BS``."""
+    position_ids = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
+    return model(tokens_BS, position_ids, attention_mask=None)
+
+
+def logits_and_grads(hf: dict, tokens_BS: torch.Tensor, seed: int = 0, dtype=torch.float32):
+    """Logits and this rank's parameter gradients of a next-token loss, after TP reductions.
+
+    fp64 is for gradient comparisons: some gradients of a random model (e.g. Gated DeltaNet's
+    ``dt_bias`` where the decay is strong) are tiny and cancellation-dominated, so fp32 alone
+    differs from fp64 by ~1e-3 relative there and cannot resolve a 1e-5 check.
+    """
+    hf_model = build_hf_model(hf, seed=seed).to(dtype)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    options = ModelOptions(params_dtype=dtype, sequence_parallel=tp > 1)
+    model = megatron_from_hf(hf, hf_model, options)
+    tokens_BS = tokens_BS.to(device())
+    logits = forward_logits(model, tokens_BS)
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), tokens_BS[:, 1:].flatten())
+    loss.backward()
+    reduce_tp_grads(model)
+    # parameters without a gradient (GLM-5's DSA indexer: the LM loss does not reach it, in HF
+    # either) are left out
+    grads = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()
+             if p.grad is not None}
+    return logits.detach().cpu(), grads, model
+
+
+def reduce_tp_grads(model) -> None:
+    """Megatron's own TP reduction of replicated-parameter gradients (as ``finalize_model_grads``)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron_longstraw.patches.gdn_out_norm_tp_grads import finalize
+
+    model.ddp_config = DistributedDataParallelConfig()
+    finalize._allreduce_non_tensor_model_parallel_grads([model], model.config)
+
+
+def tp_worker(hf: dict, tokens_BS, tp: int, reference_grads: dict, dtype=torch.float32):
+    """Run on each rank: TP=``tp`` logits plus the worst gradient error against TP=1 shards."""
+    init_distributed(ParallelSizes(tensor=tp), seed=1234)
+    logits, grads, model = logits_and_grads(hf, tokens_BS, dtype=dtype)
+    family = family_for(hf["model_type"])
+    rank = torch.distributed.get_rank()
+    worst = 0.0
+    assert set(grads) == set(reference_grads), "TP changed which parameters get gradients"
+    for name, param in model.named_parameters():
+        if name not in grads:
+            continue
+        expected = reference_grads[name]
+        if getattr(param, "tensor_model_parallel", False):
+            expected = shard_for_rank(expected, param.partition_dim, rank, tp,
+                                      family.tp_sections(name, model.config))
+        scale = expected.abs().max().clamp_min(1e-12)
+        worst = max(worst, ((grads[name] - expected).abs().max() / scale).item())
+    return logits, worst

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU-host runner (offline H200, Python 3.12 + torch preinstalled). A device call carries at
+# most 64 MiB, so the wheels travel in two consecutive calls while the machine stays warm:
+#   call 1 (carry .whl-a):  bash scripts/gpu_host.sh install-a
+#   call 2 (carry .whl-b):  bash scripts/gpu_host.sh run [pytest -k EXPR ...]
+# `run` installs .whl-b, runs the GPU test tier (tests marked gpu), then prints a short table.
+# Wheels come from ../shared/offline-gpu/fetch-wheels.sh, run here in the repo root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+site=/tmp/site
+install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$1"/*.whl; }
+case "${1:-}" in
+  install-a) install .whl-a; echo "installed .whl-a into $site" ;;
+  run)
+    shift
+    [ -d .whl-b ] && install .whl-b
+    export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
+    [ -d /tmp/te-site ] && export PYTHONPATH=/tmp/te-site:$PYTHONPATH
+    out=${OUT:-/tmp}
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+    set +e
+    python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$out/gpu-tests.xml" tests "$@" 2>&1 | tee "$out/gpu-tests.log"
+    status=${PIPESTATUS[0]}
+    set -e
+    python3 tools/gpu_summary.py "$out/gpu-tests.xml"
+    exit "$status" ;;
+  *) echo "usage: bash scripts/gpu_host.sh install-a | run [pytest args]" >&2; exit 2 ;;
+esac

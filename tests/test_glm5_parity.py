@@ -1,0 +1,293 @@
+"""GLM-5 family (``glm_moe_dsa``): logits, weight mapping, gradients and TP/EP against HF (fp32, CPU)."""
+
+import copy
+
+import pytest
+import torch
+
+from megatron_longstraw.models import glm5
+from megatron_longstraw.models.builder import build_model, load_full_state_dict
+from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.presets import PRESETS
+from megatron_longstraw.testing.hf_reference import build_hf_model, hf_model_class
+from megatron_longstraw.testing.multiprocess import run_multiprocess
+
+SEQ = 48  # > 5 x index_topk (8): DSA drops most keys of late queries
+
+
+def _debug_config(**overrides) -> dict:
+    hf = copy.deepcopy(PRESETS["glm-5-debug"])
+    hf.update(overrides)
+    return hf
+
+
+def _tokens(batch=2, seq=SEQ, seed=0):
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _megatron_from_hf(hf, hf_model, options=ModelOptions()):
+    model = build_model(hf, options, parallel_output=False)
+    load_full_state_dict(model, glm5.hf_to_mcore(hf_model.state_dict(), hf))
+    return model.eval()
+
+
+def _logits(model, tokens):
+    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    return model(tokens, position_ids, attention_mask=None)
+
+
+def _hf_topk_per_layer(hf_model, tokens) -> dict[int, torch.Tensor]:
+    """Run HF and record each full layer's indexer top-k indices ``[B, S, topk]``."""
+    found = {}
+    hooks = [layer.self_attn.indexer.register_forward_hook(
+        lambda mod, args, out, i=i: found.__setitem__(i, out))
+        for i, layer in enumerate(hf_model.model.layers) if layer.self_attn.indexer is not None]
+    try:
+        with torch.no_grad():
+            logits = hf_model(tokens).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found, logits
+
+
+def test_debug_preset_exercises_every_feature():
+    hf = _debug_config()
+    assert {"full", "shared"} == set(hf["indexer_types"])
+    assert {"dense", "sparse"} == set(hf["mlp_layer_types"])
+    assert hf["num_experts_per_tok"] >= 2 and 1 < hf["topk_group"] < hf["n_group"]
+    assert hf["index_topk"] < SEQ // 4
+
+
+def test_logits_match_hf(single_process):
+    """Dense + MoE layers, full + shared indexer layers, group-limited routing, sparse DSA."""
+    hf = _debug_config()
+    hf_model = build_hf_model(hf, seed=1)
+    tokens = _tokens()
+    topk, expected = _hf_topk_per_layer(hf_model, tokens)
+    # DSA really drops keys: late queries attend to index_topk of their SEQ causal keys
+    assert sorted(topk) == [i for i, t in enumerate(hf["indexer_types"]) if t == "full"]
+    for indices in topk.values():
+        assert indices.shape == (2, SEQ, hf["index_topk"])
+    assert not torch.equal(topk[0], topk[1])  # the layers pick different keys
+    model = _megatron_from_hf(hf, hf_model)
+    with torch.no_grad():
+        actual = _logits(model, tokens)
+    diff = (actual - expected).abs().max().item()
+    print(f"GLM-5 debug: max abs logit diff vs HF {diff:.3e}")
+    assert diff <= 1e-4, f"max abs logit diff {diff}"
+    assert expected.abs().max().item() > 1e-1  # not a comparison of near-zero logits
+    # the sparsity matters: with top-k >= SEQ (dense attention) the logits move far away
+    dense = _megatron_from_hf(_debug_config(index_topk=SEQ), hf_model)
+    with torch.no_grad():
+        assert (_logits(dense, tokens) - expected).abs().max().item() > 1e-3
+
+
+def test_routing_uses_several_experts_and_groups(single_process):
+    """The HF router picks >= 2 experts per token, and group limiting changes the choice."""
+    hf = _debug_config()
+    hf_model = build_hf_model(hf, seed=1)
+    router = hf_model.model.layers[1].mlp.gate
+    hidden = torch.randn(64, hf["hidden_size"], generator=torch.Generator().manual_seed(3))
+    _, weights, indices = router(hidden)
+    assert indices.shape == (64, hf["num_experts_per_tok"]) and (weights > 0).all()
+    assert indices.unique().numel() > hf["num_experts_per_tok"]
+    router.topk_group = router.num_group
+    _, _, ungrouped = router(hidden)
+    assert not torch.equal(indices.sort(-1).values, ungrouped.sort(-1).values)
+
+
+def test_weight_mapping_round_trip_is_bit_identical():
+    hf = _debug_config()
+    hf_state = build_hf_model(hf, seed=2).state_dict()
+    back = glm5.mcore_to_hf(glm5.hf_to_mcore(hf_state, hf), hf)
+    assert sorted(back) == sorted(hf_state)
+    for name, tensor in hf_state.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_mtp_weights_are_dropped_with_a_warning():
+    hf = _debug_config()
+    hf_state = dict(build_hf_model(hf, seed=2).state_dict())
+    hf_state["model.layers.4.eh_proj.weight"] = torch.zeros(4, 4)
+    with pytest.warns(UserWarning, match="MTP"):
+        full = glm5.hf_to_mcore(hf_state, hf)
+    assert not any(".layers.4." in name for name in full)
+
+
+def test_forward_backward_reaches_every_trained_parameter(single_process):
+    """Loss gradients reach every parameter except the DSA indexers (HF and Megatron run the
+    indexer without grad; it is trained only by the optional indexer KL loss)."""
+    hf = _debug_config()
+    model = build_model(hf, ModelOptions())
+    model.train()
+    tokens = _tokens(batch=1, seq=40)
+    logits = _logits(model, tokens)
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), tokens[0, 1:])
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, param in model.named_parameters():
+        if ".core_attention.indexer." in name:
+            assert param.grad is None or not param.grad.any(), name
+            continue
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, f"zero gradient for {name}"
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+@pytest.mark.parametrize("field", ["q_lora_rank", "kv_lora_rank", "index_topk", "n_routed_experts"])
+def test_missing_field_is_named(single_process, field):
+    hf = _debug_config()
+    del hf[field]
+    with pytest.raises(ValueError, match=f"missing field '{field}'"):
+        build_model(hf, ModelOptions())
+
+
+def test_bad_indexer_pattern_is_refused(single_process):
+    with pytest.raises(ValueError, match="indexer_types"):
+        build_model(_debug_config(indexer_types=["full", "shared", "full", "shared"][:3]), ModelOptions())
+    with pytest.raises(ValueError, match="periodic"):
+        build_model(_debug_config(indexer_types=["full", "shared", "full", "full"]), ModelOptions())
+    with pytest.raises(ValueError, match=r"indexer_types\[0\]"):
+        build_model(_debug_config(indexer_types=["shared", "full", "full", "full"]), ModelOptions())
+
+
+def test_unsupported_routing_is_refused(single_process):
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        build_model(_debug_config(norm_topk_prob=False), ModelOptions())
+    with pytest.raises(ValueError, match="top-2"):
+        build_model(_debug_config(num_experts_per_tok=2), ModelOptions())
+
+
+def _config_errors(cases):
+    """On each rank: the ValueError text of ``transformer_config`` for each (hf, tp, ep, sp)."""
+    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+
+    errors = []
+    for hf, tp, ep, sequence_parallel in cases:
+        init_distributed(ParallelSizes(tensor=tp, expert=ep))
+        try:
+            glm5.transformer_config(hf, ModelOptions(sequence_parallel=sequence_parallel))
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_heads_and_experts_not_divisible_are_refused():
+    cases = [
+        (_debug_config(num_attention_heads=3, num_key_value_heads=3), 2, 1, True),
+        (_debug_config(n_routed_experts=15), 1, 2, False),
+        (_debug_config(), 2, 1, False),
+    ]
+    heads, experts, no_sp = run_multiprocess(_config_errors, 2, cases)[0]
+    assert heads == "num_attention_heads (3) is not divisible by --tensor-model-parallel-size 2"
+    assert experts == "n_routed_experts (15) is not divisible by --expert-model-parallel-size 2"
+    assert "--sequence-parallel" in no_sp
+
+
+# ----------------------------------------------------------------------------- TP / EP
+
+
+def _parallel_logits(hf, tp, ep):
+    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+
+    init_distributed(ParallelSizes(tensor=tp, expert=ep), seed=5)
+    hf_model = build_hf_model(hf, seed=1)
+    model = _megatron_from_hf(hf, hf_model, ModelOptions(sequence_parallel=tp > 1))
+    with torch.no_grad():
+        return _logits(model, _tokens())
+
+
+def _fp64_grads(hf, tp):
+    """fp64 next-token-loss gradients after Megatron's TP reductions (None grads left out)."""
+    from megatron_longstraw.testing.parity import reduce_tp_grads
+
+    hf_model = build_hf_model(hf, seed=1).to(torch.float64)
+    options = ModelOptions(params_dtype=torch.float64, sequence_parallel=tp > 1)
+    model = _megatron_from_hf(hf, hf_model, options)
+    tokens = _tokens(batch=1)
+    logits = _logits(model, tokens)
+    torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:]).backward()
+    reduce_tp_grads(model)
+    return model, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _tp_worker(hf, reference_grads):
+    from megatron_longstraw.models.builder import shard_for_rank
+
+    logits = _parallel_logits(hf, 2, 1)
+    model, grads = _fp64_grads(hf, 2)
+    assert sorted(grads) == sorted(reference_grads)
+    rank, worst = torch.distributed.get_rank(), 0.0
+    for name, param in model.named_parameters():
+        if name not in grads:
+            continue
+        expected = reference_grads[name]
+        if getattr(param, "tensor_model_parallel", False):
+            expected = shard_for_rank(expected, param.partition_dim, rank, 2,
+                                      glm5.tp_sections(name, model.config))
+        scale = expected.abs().max().clamp_min(1e-12)
+        worst = max(worst, ((grads[name] - expected).abs().max() / scale).item())
+    return logits, worst
+
+
+def test_tensor_parallel_2_matches_tp_1(single_process):
+    """TP=2 (sequence parallel) logits (fp32) and gradients (fp64) equal TP=1's."""
+    hf = _debug_config()
+    reference = _parallel_logits(hf, 1, 1)
+    _, reference_grads = _fp64_grads(hf, 1)
+    for logits, worst_grad in run_multiprocess(_tp_worker, 2, hf, reference_grads):
+        diff = (logits - reference).abs().max().item()
+        print(f"GLM-5 debug: TP=2 vs TP=1 max abs logit diff {diff:.3e}, "
+              f"worst relative grad diff {worst_grad:.3e}")
+        assert diff <= 1e-5, diff
+        assert worst_grad <= 1e-5, worst_grad
+
+
+def test_expert_parallel_2_matches_ep_1(single_process):
+    hf = _debug_config()
+    reference = _parallel_logits(hf, 1, 1)
+    results = run_multiprocess(_parallel_logits, 2, hf, 1, 2)
+    for logits in results:
+        diff = (logits - reference).abs().max().item()
+        print(f"GLM-5 debug: EP=2 vs EP=1 max abs logit diff {diff:.3e}")
+        assert diff <= 1e-5, diff
+
+
+def test_hf_reference_class_is_glm_moe_dsa():
+    model_cls, config_cls = hf_model_class("glm_moe_dsa")
+    assert model_cls.__name__ == "GlmMoeDsaForCausalLM" and config_cls.model_type == "glm_moe_dsa"
+
+
+def test_cpu_moe_alltoall_patch_is_what_makes_the_dispatcher_run(single_process):
+    """Without ``cpu_moe_alltoall`` the all-to-all dispatcher cannot even be built on the CPU;
+    with it, the split sizes end up as host numpy arrays exactly as the CUDA path leaves them."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only patch")
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_longstraw.patches import cpu_moe_alltoall
+
+    config = glm5.transformer_config(_debug_config(), ModelOptions())
+    config.moe_token_dispatcher_type = "alltoall"
+    experts = config.num_moe_experts
+
+    def make():
+        return MoEAlltoAllTokenDispatcher(experts, list(range(experts)), config=config,
+                                          pg_collection=get_default_pg_collection())
+
+    cpu_moe_alltoall.revert()
+    try:
+        with pytest.raises((RuntimeError, AssertionError)):  # no CUDA stream on this machine
+            make()
+    finally:
+        cpu_moe_alltoall.apply()
+    dispatcher = make()
+    dispatcher.input_splits = torch.tensor([3])
+    out = dispatcher._maybe_dtoh_and_synchronize(dispatcher.cuda_dtoh_point, torch.tensor([1, 2]))
+    assert out.tolist() == [1, 2] and dispatcher.input_splits.tolist() == [3]
+    assert not torch.is_tensor(dispatcher.input_splits)
