@@ -14,7 +14,7 @@ case "${1:-}" in
   run)
     shift
     [ -d .whl-b ] && install .whl-b
-    export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
+    export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     [ -d /tmp/te-site ] && export PYTHONPATH=/tmp/te-site:$PYTHONPATH
     out=${OUT:-/tmp}
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true

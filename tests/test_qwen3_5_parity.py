@@ -67,3 +67,19 @@ def test_forward_backward_reaches_every_parameter(single_process):
     for name, param in model.named_parameters():
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
         assert param.grad.abs().sum() > 0, f"zero gradient for {name}"
+
+
+def test_full_activation_recompute_gives_identical_gradients(single_process):
+    hf = _debug_config()
+    hf_model = build_hf_model(hf, seed=4)
+    tokens = torch.randint(0, hf["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for recompute in (None, "full"):
+        model = build_model(hf, ModelOptions(recompute_granularity=recompute), parallel_output=False)
+        load_full_state_dict(model, qwen3_5.hf_to_mcore(hf_model.state_dict(), hf))
+        model.train()
+        logits = _logits(model, tokens)
+        torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:]).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7), name

@@ -68,6 +68,9 @@ class ModelOptions:
             apply_rope_fusion=False,
             persist_layer_norm=False,
             recompute_granularity=self.recompute_granularity,
+            # full recompute: every layer checkpointed, one at a time
+            recompute_method="uniform" if self.recompute_granularity == "full" else None,
+            recompute_num_layers=1 if self.recompute_granularity == "full" else None,
         )
 
 
