@@ -1,21 +1,53 @@
-"""Causal core attention on torch SDPA, in Megatron's ``core_attention`` interface.
+"""Causal core attention on torch SDPA, in Megatron's ``core_attention`` interface, with prompt state.
 
 Megatron's local ``DotProductAttention`` materializes the full score matrix and allocates on
-``torch.cuda.current_device()``; this core calls ``torch.nn.functional.scaled_dot_product_attention``
-instead (flash/cuDNN/efficient kernels on GPU, the math path on CPU) and is the place where
-prompt-state attention plugs in.
+``torch.cuda.current_device()``; this core calls torch SDPA instead and is where LongStraw's
+K/V pages live: it receives post-RoPE queries, keys and values, so in capture it appends the
+chunk's keys/values to the pages and in replay attends over them (``prefix_attention``).
 """
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
+from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
+from megatron_longstraw.longstraw.state import LayerState
 
-class SDPACoreAttention(MegatronModule):
+
+@dataclass
+class AttentionKVState(LayerState):
+    """Full attention: post-RoPE keys and values of the prompt, ``[s, b, groups, d]``.
+
+    Filled page by page during capture (``length`` tokens so far) into buffers sized for the
+    whole prompt, so capture never concatenates.
+    """
+
+    key_SBGD: torch.Tensor
+    value_SBGD: torch.Tensor
+    length: int = 0
+
+    def append(self, key_SBGD: torch.Tensor, value_SBGD: torch.Tensor) -> None:
+        """Write the next page of keys/values."""
+        end = self.length + key_SBGD.shape[0]
+        if end > self.key_SBGD.shape[0]:
+            raise ValueError(f"prompt state overflow: {end} tokens > {self.key_SBGD.shape[0]}")
+        self.key_SBGD[self.length:end] = key_SBGD
+        self.value_SBGD[self.length:end] = value_SBGD
+        self.length = end
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The filled part of the pages."""
+        return self.key_SBGD[: self.length], self.value_SBGD[: self.length]
+
+
+class SDPACoreAttention(MegatronModule, StatefulModule):
     """Core attention ``softmax(q k^T * scale) v`` with a causal mask and GQA.
 
     Takes ``query_SBHD`` ``[s, b, heads, d]`` and ``key/value_SBGD`` ``[s, b, groups, d]``;
@@ -38,16 +70,35 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError(f"SDPACoreAttention supports causal masks only, got {attn_mask_type}")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.groups_per_rank = max(config.num_query_groups // tp, 1)
+
+    def new_prompt_state(self, prompt_length: int, batch: int, device) -> AttentionKVState:
+        """Empty K/V pages for ``prompt_length`` tokens of this rank's query groups."""
+        shape = (prompt_length, batch, self.groups_per_rank, self.config.kv_channels)
+        dtype = self.config.params_dtype
+        return AttentionKVState(torch.empty(shape, dtype=dtype, device=device),
+                                torch.empty(shape, dtype=dtype, device=device))
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **kwargs):
-        """Causal attention of ``query`` over ``key``/``value`` (see class docstring)."""
+        """Causal attention of ``query`` over ``key``/``value``, or over the bound prompt state."""
         if packed_seq_params is not None:
             raise ValueError("SDPACoreAttention: packed sequences are not supported")
+        binding = self.longstraw
+        seq, batch = query.shape[0], query.shape[1]
+        if binding is not None and binding.mode in (Mode.CAPTURE, Mode.REPLAY):
+            prefix_k, prefix_v = binding.state.keys_values()
+            out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale)
+            if binding.mode == Mode.CAPTURE:
+                binding.state.append(key, value)
+            return out_SBHD.reshape(seq, batch, -1)
+        if binding is not None and binding.mode == Mode.REFERENCE:
+            key = detach_prefix(key, binding.prefix_length, 0)
+            value = detach_prefix(value, binding.prefix_length, 0)
         q_BHSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out_BHSD = F.scaled_dot_product_attention(
             q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=self.softmax_scale,
             enable_gqa=q_BHSD.shape[1] != k_BGSD.shape[1],
         )
-        seq, batch = query.shape[0], query.shape[1]
         return out_BHSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)

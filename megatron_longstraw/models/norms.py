@@ -32,9 +32,11 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize over the last dimension."""
-        x32 = x.float()
+        compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 tests
+        x32 = x.to(compute)
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        gamma = self.weight.float() + 1.0 if self.zero_centered_gamma else self.weight.float()
+        gamma = self.weight.to(compute)
+        gamma = gamma + 1.0 if self.zero_centered_gamma else gamma
         return (y * gamma).to(x.dtype)
 
 

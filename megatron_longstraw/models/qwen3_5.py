@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
+from megatron_longstraw.models.gated_delta_net import LongStrawGatedDeltaNet
 from megatron_longstraw.models.hf_config import get, require, rope_parameters
 from megatron_longstraw.models.norms import PlainTENorm, RMSNorm
 from megatron_longstraw.models.options import ModelOptions
@@ -138,7 +139,7 @@ def _gated_delta_net_spec(backend) -> tuple[ModuleSpec, bool]:
     fused = backend.fuse_layernorm_and_linear()
     in_proj = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
     spec = ModuleSpec(
-        module=GatedDeltaNet,
+        module=LongStrawGatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(
             in_proj=in_proj, out_norm=_norm(backend, plain=True), out_proj=backend.row_parallel_linear()
         ),

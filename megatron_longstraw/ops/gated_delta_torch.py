@@ -61,6 +61,24 @@ def causal_conv1d(
     return y, final_state
 
 
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False):
+    """Token-by-token ``S_t = e^{g_t} S_{t-1} + beta_t k_t (v_t - e^{g_t} S_{t-1}^T k_t)^T``,
+    ``o_t = S_t^T q_t / sqrt(K)``, in the inputs' precision (fp64 stays fp64)."""
+    batch, seq, heads, dim_k = q.shape
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g, beta = (t.to(compute) for t in (q, k, v, g, beta))
+    q = q * dim_k ** -0.5
+    state = (torch.zeros(batch, heads, dim_k, v.shape[-1], dtype=compute, device=q.device)
+             if initial_state is None else initial_state.to(compute))
+    outs = []
+    for t in range(seq):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state)) * beta[:, t, :, None]
+        state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], delta)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(outs, dim=1), (state if output_final_state else None)
+
+
 def chunk_gated_delta_rule(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
@@ -68,12 +86,18 @@ def chunk_gated_delta_rule(
     """fla's ``chunk_gated_delta_rule`` signature over Megatron's torch implementation.
 
     Inputs are ``[B, T, H, K]`` / ``[B, T, H, V]``, ``g`` and ``beta`` ``[B, T, H]``; the
-    state is ``[B, H, K, V]`` in fp32.
+    state is ``[B, H, K, V]`` in fp32. Megatron's chunked code computes in fp32 whatever the
+    input; fp64 inputs (precision tests) take the exact token recurrence instead.
     """
     if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
         raise ValueError("chunk_gated_delta_rule (torch): only the default scale is supported")
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
+    if q.dtype == torch.float64:
+        if cu_seqlens is not None:
+            raise ValueError("chunk_gated_delta_rule (torch): packed sequences are not supported")
+        out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state)
+        return out, state
     out, state = torch_chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,

@@ -1,0 +1,88 @@
+"""How stateful layers learn what to do: capture, replay, or stop-gradient reference.
+
+A layer that owns prompt state subclasses ``StatefulModule``: it creates its empty state
+(``new_prompt_state``) and reads ``self.longstraw`` (a ``Binding`` or ``None``) in forward.
+``bind`` sets the binding on every stateful module of a model for the duration of a block.
+"""
+
+import contextlib
+import enum
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_longstraw.longstraw.state import LayerState, PromptState
+
+
+class Mode(enum.Enum):
+    """What a bound stateful layer does in forward."""
+
+    CAPTURE = "capture"      # no grad; the input is the next prompt chunk; update the state
+    REPLAY = "replay"        # autograd; the input is response tokens after the prompt; read the state
+    REFERENCE = "reference"  # ordinary full sequence; detach the first ``prefix_length`` rows of
+    # the tensors that make up the prompt state (the stop-gradient reference)
+
+
+@dataclass
+class Binding:
+    """What one stateful module sees: the mode, its own state, and positions."""
+
+    mode: Mode
+    state: Optional[LayerState]
+    position_offset: int = 0      # position of this forward's first token
+    prefix_length: int = 0        # REFERENCE: prompt tokens at the start of the sequence
+
+
+class StatefulModule:
+    """Mixin for modules that keep prompt state; ``longstraw`` is ``None`` unless bound."""
+
+    longstraw: Optional[Binding] = None
+
+    def new_prompt_state(self, prompt_length: int, batch: int, device) -> LayerState:
+        """An empty state for a prompt of ``prompt_length`` tokens (this rank's share)."""
+        raise NotImplementedError
+
+
+def stateful_modules(model) -> dict[str, StatefulModule]:
+    """Every stateful module of ``model`` by qualified name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, StatefulModule)}
+
+
+def model_signature(model) -> str:
+    """A fingerprint of the architecture and this rank's parameter shapes (not values)."""
+    digest = hashlib.sha256(type(model).__name__.encode())
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+    return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def bind(model, mode: Mode, state: Optional[PromptState] = None, *, position_offset: int = 0,
+         prefix_length: int = 0):
+    """Bind every stateful module of ``model`` for the block; unbinds on exit."""
+    modules = stateful_modules(model)
+    if state is not None:
+        if state.model_signature != model_signature(model):
+            raise ValueError("prompt state was captured with a different model "
+                             "(architecture or parallel layout differs)")
+        missing = sorted(set(modules) - set(state.layers))
+        if missing:
+            raise ValueError(f"prompt state has no entry for layers {missing[:3]}")
+    for name, module in modules.items():
+        module.longstraw = Binding(mode, state.layers[name] if state is not None else None,
+                                   position_offset, prefix_length)
+    try:
+        yield
+    finally:
+        for module in modules.values():
+            module.longstraw = None
+
+
+def detach_prefix(tensor: torch.Tensor, prefix_length: int, seq_dim: int) -> torch.Tensor:
+    """``tensor`` with its first ``prefix_length`` rows along ``seq_dim`` detached."""
+    if prefix_length <= 0:
+        return tensor
+    head, tail = tensor.split([prefix_length, tensor.shape[seq_dim] - prefix_length], dim=seq_dim)
+    return torch.cat([head.detach(), tail], dim=seq_dim)

@@ -1,0 +1,37 @@
+"""Prompt capture: one no-grad pass over the prompt in chunks, keeping only the prompt state."""
+
+import torch
+
+from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
+from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, embed, output_logits
+from megatron_longstraw.longstraw.state import PromptState
+
+
+@torch.no_grad()
+def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int) -> PromptState:
+    """Run ``prompt_ids_BS`` through ``model`` without autograd, ``chunk_size`` tokens at a time.
+
+    Each chunk attends to the state captured so far plus itself causally; recurrent layers carry
+    their state from chunk to chunk. Peak memory is the state plus one chunk's activations.
+    Returns the prompt state with the last position's hidden state and next-token logits.
+    """
+    if prompt_ids_BS.dim() != 2 or prompt_ids_BS.shape[1] == 0:
+        raise ValueError(f"prompt must be [batch, tokens] with at least one token, got {tuple(prompt_ids_BS.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"--prompt-chunk-size must be >= 1, got {chunk_size}")
+    batch, length = prompt_ids_BS.shape
+    if length > model.max_sequence_length:
+        raise ValueError(f"prompt of {length} tokens exceeds the model's {model.max_sequence_length} positions")
+    state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
+    for name, module in stateful_modules(model).items():
+        state.layers[name] = module.new_prompt_state(length, batch, prompt_ids_BS.device)
+    final_norm = FinalNormInput(model)
+    try:
+        for start in range(0, length, chunk_size):
+            with bind(model, Mode.CAPTURE, state, position_offset=start):
+                hidden_SBH = decode(model, embed(model, prompt_ids_BS[:, start:start + chunk_size], start), start)
+    finally:
+        final_norm.remove()
+    state.last_hidden_1BH = final_norm.last_row_1BH
+    state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
+    return state

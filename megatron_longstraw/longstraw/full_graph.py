@@ -1,0 +1,44 @@
+"""The full-graph baseline (``--replay-mode full``): each response trained on prompt + response.
+
+Same model, kernels and loss as LongStraw, with the same stop-gradient semantics: the tensors
+that form the prompt state (K/V, recurrent-state inputs, the final-norm input at prompt rows)
+are detached (``Mode.REFERENCE``). Memory and time then scale with the prompt per response; use
+activation recompute (``--recompute-granularity full``) for long prompts. It is the reference
+for the capture/replay tests and the comparison for the benchmark.
+"""
+
+from typing import Sequence
+
+import torch
+
+from megatron_longstraw.longstraw.binding import Mode, bind
+from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, embed, output_logits, token_logprobs
+from megatron_longstraw.longstraw.replay import LossFn, pad_responses
+
+
+def full_graph_logits(model, prompt_ids_1S: torch.Tensor, response_ids_BR: torch.Tensor) -> torch.Tensor:
+    """Logits ``[r, b, vocab/tp]`` predicting each response token from one full forward."""
+    prompt_length = prompt_ids_1S.shape[1]
+    batch = response_ids_BR.shape[0]
+    ids_BS = torch.cat([prompt_ids_1S.expand(batch, -1), response_ids_BR], dim=1)
+    final_norm = FinalNormInput(model, detach_rows=prompt_length)
+    try:
+        with bind(model, Mode.REFERENCE, prefix_length=prompt_length):
+            hidden_SBH = decode(model, embed(model, ids_BS, 0), 0)
+    finally:
+        final_norm.remove()
+    return output_logits(model, hidden_SBH[prompt_length - 1:-1])
+
+
+def full_graph_responses(model, prompt_ids_1S: torch.Tensor, responses: Sequence[torch.Tensor],
+                         loss_fn: LossFn, micro_batch_size: int = 1) -> list[float]:
+    """Like ``replay_responses`` but each micro-batch runs prompt + responses with autograd."""
+    losses = []
+    for start in range(0, len(responses), micro_batch_size):
+        indices = list(range(start, min(start + micro_batch_size, len(responses))))
+        ids_BR, mask_RB = pad_responses([responses[i] for i in indices])
+        logprobs_RB = token_logprobs(full_graph_logits(model, prompt_ids_1S, ids_BR), ids_BR.t())
+        loss = loss_fn(logprobs_RB, mask_RB, indices)
+        loss.backward()
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,61 @@
+"""The pieces of a ``GPTModel`` forward, called with explicit positions.
+
+Capture and replay run the model on a slice of the sequence (a prompt chunk, or response tokens
+after the prompt), so positions start at an offset; Megatron's ``GPTModel.forward`` always starts
+RoPE at 0. These helpers call Megatron's own embedding, rotary table, decoder and output layer.
+"""
+
+import torch
+from megatron.core import tensor_parallel
+
+
+def embed(model, input_ids_BS: torch.Tensor, offset: int) -> torch.Tensor:
+    """Token embeddings ``[s, b, h]`` of tokens at positions ``offset...``."""
+    seq = input_ids_BS.shape[1]
+    position_ids = torch.arange(offset, offset + seq, device=input_ids_BS.device).expand_as(input_ids_BS)
+    return model.embedding(input_ids=input_ids_BS, position_ids=position_ids)
+
+
+def decode(model, hidden_SBH: torch.Tensor, offset: int) -> torch.Tensor:
+    """Run the decoder (ending with its final norm) on ``hidden`` at positions ``offset...``.
+
+    Models whose attention computes its own RoPE (MLA) read the offset from their binding.
+    """
+    rotary = None
+    if getattr(model, "rotary_pos_emb", None) is not None:
+        rotary = model.rotary_pos_emb(hidden_SBH.shape[0], offset=offset)
+    return model.decoder(hidden_states=hidden_SBH, attention_mask=None, rotary_pos_emb=rotary)
+
+
+def output_logits(model, hidden_SBH: torch.Tensor) -> torch.Tensor:
+    """Logits ``[s, b, vocab / tp]`` (this rank's vocabulary shard)."""
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    return model.output_layer(hidden_SBH, weight=weight)[0]
+
+
+def token_logprobs(logits_SBV: torch.Tensor, targets_SB: torch.Tensor) -> torch.Tensor:
+    """``log p(target)`` per position, ``[s, b]`` in fp32 (fp64 for fp64 logits), over the
+    TP-sharded vocabulary."""
+    logits_SBV = logits_SBV.to(torch.promote_types(logits_SBV.dtype, torch.float32))
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits_SBV, targets_SB.contiguous())
+
+
+class FinalNormInput:
+    """Forward pre-hook on the decoder's final norm: keeps its input, or detaches a prefix of it."""
+
+    def __init__(self, model, detach_rows: int = 0):
+        self.detach_rows = detach_rows
+        self.last_row_1BH = None
+        self._handle = model.decoder.final_layernorm.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        hidden = args[0]
+        self.last_row_1BH = hidden[-1:].detach()
+        if self.detach_rows:
+            head, tail = hidden[: self.detach_rows], hidden[self.detach_rows:]
+            return (torch.cat([head.detach(), tail]),) + tuple(args[1:])
+        return None
+
+    def remove(self) -> None:
+        """Unregister the hook."""
+        self._handle.remove()

@@ -1,0 +1,85 @@
+"""Prompt-state containers: the ``LayerState`` base and the model-wide ``PromptState``.
+
+Each layer kind's container lives with the layer that owns it (``attention/sdpa_core.py``:
+K/V pages; ``models/gated_delta_net.py``: recurrent state and conv tail; the GLM-5 layers: MLA
+latent and DSA indexer keys). Every container knows its tensors, size in bytes and device, and
+can be freed or moved (room for CPU offload with layer-wise staging). Under TP a rank holds its
+own heads only; under CP a rank will hold its own shard of the pages.
+"""
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+
+
+class LayerState:
+    """Base class: tensor fields are the state; everything else is bookkeeping."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state's tensors by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def nbytes(self) -> int:
+        """Bytes held by the state's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the state's tensors."""
+        return next(iter(self.tensors().values())).device
+
+    def to(self, device) -> "LayerState":
+        """Move every tensor (e.g. to CPU for offload) in place; returns self."""
+        for name, tensor in self.tensors().items():
+            setattr(self, name, tensor.to(device, non_blocking=True))
+        return self
+
+    def free(self) -> None:
+        """Drop the tensors."""
+        for name in self.tensors():
+            setattr(self, name, None)
+
+
+@dataclass
+class PromptState:
+    """All layers' prompt state plus what replay needs to score the first response token.
+
+    ``layers`` is keyed by the owning module's qualified name in the model. ``last_hidden_1BH``
+    is the decoder output (before the final norm) at the last prompt position;
+    ``last_logits_BV`` its next-token logits (this rank's vocabulary shard).
+    """
+
+    prompt_length: int
+    batch: int
+    model_signature: str
+    layers: dict[str, LayerState] = field(default_factory=dict)
+    last_hidden_1BH: Optional[torch.Tensor] = None
+    last_logits_BV: Optional[torch.Tensor] = None
+
+    def nbytes(self) -> int:
+        """Bytes of every layer's state plus the last hidden state."""
+        extra = 0 if self.last_hidden_1BH is None else (
+            self.last_hidden_1BH.numel() * self.last_hidden_1BH.element_size())
+        return sum(s.nbytes() for s in self.layers.values()) + extra
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the layer states."""
+        return next(iter(self.layers.values())).device
+
+    def to(self, device) -> "PromptState":
+        """Move every layer's state; returns self."""
+        for layer in self.layers.values():
+            layer.to(device)
+        if self.last_hidden_1BH is not None:
+            self.last_hidden_1BH = self.last_hidden_1BH.to(device)
+        return self
+
+    def free(self) -> None:
+        """Release every tensor."""
+        for layer in self.layers.values():
+            layer.free()
+        self.layers.clear()
+        self.last_hidden_1BH = self.last_logits_BV = None
