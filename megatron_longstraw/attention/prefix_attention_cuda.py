@@ -1,0 +1,115 @@
+"""GPU path of ``prefix_causal_attention``: two fused-attention calls merged by log-sum-exp.
+
+Part 1: every new query over the prefix (the prompt state), no mask. All query heads of a KV
+group and all samples of the micro-batch share the same prefix keys, so they are folded into the
+query length (``[1, groups, samples * heads_per_group * s, d]``): no copy or head expansion of
+the prompt pages. Part 2: the new tokens over themselves, causal (small). The outputs merge
+exactly with their log-sum-exps. Backward runs each part's fused backward with the *merged*
+output and log-sum-exp, which yields exactly the gradient of one softmax over both parts; the
+prefix keys/values get no gradient (their part's dK/dV are discarded).
+
+Kernels: cuDNN SDPA (fastest on Hopper at head dim 128/256) or flash SDPA, both from torch and
+both returning the log-sum-exp; ``LONGSTRAW_ATTENTION_BACKEND=flash|cudnn`` forces one.
+"""
+
+import os
+
+import torch
+
+_BACKENDS = ("cudnn", "flash")
+
+
+def _backend() -> str:
+    choice = os.environ.get("LONGSTRAW_ATTENTION_BACKEND", "cudnn")
+    if choice not in _BACKENDS:
+        raise ValueError(f"LONGSTRAW_ATTENTION_BACKEND must be one of {_BACKENDS}, got {choice!r}")
+    return choice
+
+
+def _forward(backend, q, k, v, causal, scale):
+    """(out_BHSD, lse_BHS, aux) with the kernel's bookkeeping for its backward."""
+    if backend == "cudnn":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)
+    else:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse.reshape(q.shape[:3]), (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _backward(backend, grad, q, k, v, out, lse, aux, causal, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    if backend == "cudnn":
+        lse = lse.reshape(*lse.shape, 1) if lse.dim() == 3 else lse
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+
+
+def _fold(x_BHSD, groups):
+    """[b, h, s, d] -> [1, groups, b * (h / groups) * s, d] (queries sharing one KV group)."""
+    b, h, s, d = x_BHSD.shape
+    return x_BHSD.reshape(b, groups, h // groups, s, d).transpose(0, 1).reshape(1, groups, -1, d)
+
+
+def _unfold(x_1GND, shape_BHSD):
+    b, h, s, d = shape_BHSD
+    groups = x_1GND.shape[1]
+    return x_1GND.reshape(groups, b, h // groups, s, -1).transpose(0, 1).reshape(b, h, s, -1)
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, scale):
+        backend = _backend()
+        out2, lse2, aux2 = _forward(backend, q_BHSD, k_BHSD, v_BHSD, True, scale)
+        if pk_1GPD is None:
+            out, lse, aux1, q1 = out2, lse2, None, None
+        else:
+            groups = pk_1GPD.shape[1]
+            q1 = _fold(q_BHSD, groups)
+            out1, lse1, aux1 = _forward(backend, q1, pk_1GPD, pv_1GPD, False, scale)
+            out1 = _unfold(out1, q_BHSD.shape)
+            lse1 = _unfold(lse1.unsqueeze(-1), q_BHSD.shape).squeeze(-1)
+            lse = torch.logaddexp(lse1, lse2)
+            out = (out1.float() * (lse1 - lse).exp().unsqueeze(-1)
+                   + out2.float() * (lse2 - lse).exp().unsqueeze(-1)).to(q_BHSD.dtype)
+        ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, out, lse, q1)
+        ctx.aux = (aux1, aux2)
+        ctx.scale, ctx.backend = scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_BHSD):
+        q, k, v, pk, pv, out, lse, q1 = ctx.saved_tensors
+        aux1, aux2 = ctx.aux
+        grad_BHSD = grad_BHSD.contiguous()
+        dq, dk, dv = _backward(ctx.backend, grad_BHSD, q, k, v, out, lse, aux2, True, ctx.scale)[:3]
+        if pk is not None:
+            groups = pk.shape[1]
+            dq1 = _backward(ctx.backend, _fold(grad_BHSD, groups), q1, pk, pv, _fold(out, groups),
+                            _fold(lse.unsqueeze(-1), groups).squeeze(-1).contiguous(), aux1,
+                            False, ctx.scale)[0]
+            dq = dq + _unfold(dq1, q.shape)
+        return dq, dk, dv, None, None, None
+
+
+def prefix_causal_attention_cuda(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, prefix_v_SBGD=None,
+                                 scale=None):
+    """See ``prefix_attention.prefix_causal_attention``; returns ``[s, b, h, d_v]``."""
+    seq, batch, heads, dim = q_SBHD.shape
+    scale = dim ** -0.5 if scale is None else scale
+    q_BHSD = q_SBHD.permute(1, 2, 0, 3)
+    groups = k_SBGD.shape[2]
+    k_BHSD = k_SBGD.permute(1, 2, 0, 3).repeat_interleave(heads // groups, dim=1)
+    v_BHSD = v_SBGD.permute(1, 2, 0, 3).repeat_interleave(heads // groups, dim=1)
+    pk = pv = None
+    if prefix_k_SBGD is not None and prefix_k_SBGD.shape[0] > 0:
+        if prefix_k_SBGD.shape[1] != 1:
+            raise ValueError("prefix attention (GPU): the prompt state must have batch 1")
+        pk = prefix_k_SBGD.permute(1, 2, 0, 3)
+        pv = prefix_v_SBGD.permute(1, 2, 0, 3)
+    out_BHSD = _PrefixCausalAttention.apply(q_BHSD.contiguous(), k_BHSD.contiguous(),
+                                            v_BHSD.contiguous(), pk, pv, scale)
+    return out_BHSD.permute(2, 0, 1, 3)
