@@ -1,0 +1,239 @@
+"""Benchmark LongStraw (capture + replay) against the full-graph baseline: memory and time.
+
+For a preset and lists of prompt lengths and group sizes, measures peak allocated memory and
+time per phase (capture, each replay, optimizer step) for ``--modes longstraw,full``, predicts the
+analytic memory floor, and writes JSON, a markdown table and a PNG plot (peak memory vs prompt
+length for both modes, and vs G) into ``--output-dir``, each with the command that made it.
+
+Example (GPU host):
+    python tools/bench_longstraw.py --model qwen3.5-0.8b --prompt-lengths 131072,524288,1048576 \\
+        --group-sizes 2,8 --response-length 8192 --modes longstraw,full --output-dir docs/bench
+"""
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
+from megatron_longstraw.longstraw.cost_model import (  # noqa: E402
+    linear_weight_elements, memory_floor_bytes, qwen_prompt_flops, response_activation_bytes)
+from megatron_longstraw.longstraw.full_graph import full_graph_responses  # noqa: E402
+from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
+from megatron_longstraw.models.builder import build_model  # noqa: E402
+from megatron_longstraw.models.options import ModelOptions  # noqa: E402
+from megatron_longstraw.models.presets import resolve_hf_config  # noqa: E402
+
+PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (../shared/offline-gpu/README.md)
+GiB = 2 ** 30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3.5-0.8b")
+    p.add_argument("--prompt-lengths", default="131072")
+    p.add_argument("--group-sizes", default="2,8")
+    p.add_argument("--response-length", type=int, default=8192)
+    p.add_argument("--modes", default="longstraw,full")
+    p.add_argument("--prompt-chunk-size", type=int, default=32768)
+    p.add_argument("--replay-micro-batch-size", type=int, default=1)
+    p.add_argument("--full-max-group", type=int, default=1,
+                   help="full mode replays at most this many responses (its time is per sample)")
+    p.add_argument("--output-dir", default="docs/bench")
+    p.add_argument("--tag", default="", help="suffix for the output file names")
+    args = p.parse_args(argv)
+    for flag in ("prompt_lengths", "group_sizes", "modes"):
+        setattr(args, flag, [x for x in getattr(args, flag).split(",") if x])
+    args.prompt_lengths = [int(x) for x in args.prompt_lengths]
+    args.group_sizes = [int(x) for x in args.group_sizes]
+    bad = set(args.modes) - {"longstraw", "full"}
+    if bad:
+        raise ValueError(f"--modes: unknown mode(s) {sorted(bad)}; use longstraw and/or full")
+    return args
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_gib():
+    return torch.cuda.max_memory_allocated() / GiB if torch.cuda.is_available() else float("nan")
+
+
+def _reset_peak():
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _optimizer(model):
+    """AdamW with its states allocated up front, so they count in every peak."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=torch.cuda.is_available())
+    for p in model.parameters():
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p)}
+        p.grad = torch.zeros_like(p)
+    return opt
+
+
+def _loss_fn(total_tokens):
+    return lambda logprobs_RB, mask_RB, indices: -(logprobs_RB * mask_RB).sum() / total_tokens
+
+
+def run_point(model, hf, mode, prompt_length, group, args):
+    """One (mode, prompt length, G) point; returns a result dict (``oom`` on out of memory)."""
+    gen = torch.Generator(device=device()).manual_seed(prompt_length + group)
+    prompt = torch.randint(0, hf["vocab_size"], (1, prompt_length), device=device(), generator=gen)
+    responses = [torch.randint(0, hf["vocab_size"], (args.response_length,), device=device(), generator=gen)
+                 for _ in range(group)]
+    loss_fn = _loss_fn(group * args.response_length)
+    result = dict(mode=mode, prompt_length=prompt_length, group=group, response_length=args.response_length)
+    _sync()
+    _reset_peak()
+    start = time.perf_counter()
+    try:
+        if mode == "longstraw":
+            state = capture_prompt(model, prompt, args.prompt_chunk_size)
+            _sync()
+            result["capture_s"] = time.perf_counter() - start
+            result["capture_peak_gib"] = _peak_gib()
+            result["state_gib"] = state.nbytes() / GiB
+            flops = qwen_prompt_flops(hf, linear_weight_elements(model), prompt_length)
+            result["capture_tflops"] = flops / result["capture_s"] / 1e12
+            result["capture_mfu"] = result["capture_tflops"] / PEAK_TFLOPS
+            replay_times = []
+            for i in range(0, group, args.replay_micro_batch_size):
+                t0 = time.perf_counter()
+                replay_responses(model, state, responses[i:i + args.replay_micro_batch_size], loss_fn,
+                                 args.replay_micro_batch_size)
+                _sync()
+                replay_times.append(time.perf_counter() - t0)
+            result["replay_s"] = replay_times
+        else:
+            replay_times = []
+            for response in responses[: args.full_max_group]:
+                t0 = time.perf_counter()
+                full_graph_responses(model, prompt, [response], loss_fn)
+                _sync()
+                replay_times.append(time.perf_counter() - t0)
+            result["per_sample_s"] = replay_times
+        t0 = time.perf_counter()
+        model.optimizer.step()
+        _sync()
+        result["optimizer_s"] = time.perf_counter() - t0
+        result["step_s"] = time.perf_counter() - start
+        result["peak_gib"] = _peak_gib()
+        if mode == "longstraw":
+            n_params = sum(p.numel() for p in model.parameters())
+            dtype_bytes = next(model.parameters()).element_size()
+            floor = memory_floor_bytes(
+                n_params, dtype_bytes, 2 * dtype_bytes, state.nbytes(),
+                response_activation_bytes(hf, args.response_length * args.replay_micro_batch_size,
+                                          hf["vocab_size"], dtype_bytes))
+            result["floor_gib"] = floor / GiB
+            result["peak_over_floor"] = result["peak_gib"] / result["floor_gib"]
+            state.free()
+    except torch.OutOfMemoryError:
+        result["oom"] = True
+        result["peak_gib"] = _peak_gib()
+    finally:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return result
+
+
+def write_outputs(results, args, command, quiet=False):
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_{args.model}{('_' + args.tag) if args.tag else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(dict(command=command, results=results), indent=1))
+    lines = [f"# LongStraw benchmark: {args.model}", "", f"Command: `{command}`", "",
+             "| mode | prompt | G | capture s | capture MFU | replay s (mean) | per-sample s | step s | peak GiB | floor GiB | peak/floor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        if r.get("oom"):
+            lines.append(f"| {r['mode']} | {r['prompt_length']} | {r['group']} | OOM | | | | | >{r['peak_gib']:.1f} | | |")
+            continue
+        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+        lines.append(
+            f"| {r['mode']} | {r['prompt_length']} | {r['group']} | {r.get('capture_s', float('nan')):.1f} "
+            f"| {r.get('capture_mfu', float('nan')):.1%} | {mean(r.get('replay_s', [])):.2f} "
+            f"| {mean(r.get('per_sample_s', [])):.2f} | {r['step_s']:.1f} | {r['peak_gib']:.2f} "
+            f"| {r.get('floor_gib', float('nan')):.2f} | {r.get('peak_over_floor', float('nan')):.3f} |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    _plot(results, out / f"{stem}.png", command)
+    if not quiet:
+        print("\n".join(lines))
+
+
+def _plot(results, path, command):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, marker in (("longstraw", "o"), ("full", "s")):
+        pts = sorted((r["prompt_length"], r["peak_gib"]) for r in results
+                     if r["mode"] == mode and not r.get("oom") and r["group"] == min(x["group"] for x in results))
+        if pts:
+            ax1.plot(*zip(*pts), marker=marker, label=mode)
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("prompt tokens")
+    ax1.set_ylabel("peak allocated (GiB)")
+    ax1.set_title("peak memory vs prompt length")
+    ax1.legend()
+    for length in sorted({r["prompt_length"] for r in results if r["mode"] == "longstraw"}):
+        pts = sorted((r["group"], r["peak_gib"]) for r in results
+                     if r["mode"] == "longstraw" and r["prompt_length"] == length and not r.get("oom"))
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=f"prompt {length}")
+    ax2.set_xlabel("G (responses per prompt)")
+    ax2.set_ylabel("peak allocated (GiB)")
+    ax2.set_title("LongStraw peak memory vs G")
+    ax2.legend()
+    fig.suptitle(command, fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    init_distributed(ParallelSizes(), seed=1234)
+    hf = resolve_hf_config(args.model)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    results = []
+    try:
+        for mode in args.modes:
+            model = build_model(hf, ModelOptions(params_dtype=dtype,
+                                                 recompute_granularity="full" if mode == "full" else None))
+            model.optimizer = _optimizer(model)
+            for length in args.prompt_lengths:
+                for group in (args.group_sizes if mode == "longstraw" else [1]):
+                    result = run_point(model, hf, mode, length, group, args)
+                    print(json.dumps(result), flush=True)
+                    results.append(result)
+                    write_outputs(results, args, command, quiet=True)  # partial results survive a kill
+            del model
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    finally:
+        destroy_distributed()
+    if results:
+        write_outputs(results, args, command)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as err:
+        raise SystemExit(f"error: {err}")
