@@ -23,7 +23,7 @@ def _tokens(hf, n, seed):
     return torch.randint(0, hf["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("preset", ["qwen3.5-debug"])
+@pytest.mark.parametrize("preset", ["qwen3.5-debug", "glm-5-debug"])
 @pytest.mark.parametrize("chunk", [15, 16, 1, 64])
 def test_replay_logits_equal_full_forward(single_process, preset, chunk):
     """Chunks that divide the prompt (15), do not (16), a 1-token chunk, and one chunk (64)."""
@@ -50,7 +50,7 @@ def _grads(model):
     return grads
 
 
-@pytest.mark.parametrize("preset", ["qwen3.5-debug"])
+@pytest.mark.parametrize("preset", ["qwen3.5-debug", "glm-5-debug"])
 def test_replay_gradients_equal_stop_gradient_full_graph(single_process, preset):
     """fp64: some random-model gradients are too small for fp32 to resolve 1e-5 (see parity.py)."""
     hf, model = _model(preset, torch.float64)
@@ -70,7 +70,7 @@ def test_replay_gradients_equal_stop_gradient_full_graph(single_process, preset)
         assert ref.abs().max() > 0, f"{name}: zero reference gradient"
 
 
-@pytest.mark.parametrize("preset", ["qwen3.5-debug"])
+@pytest.mark.parametrize("preset", ["qwen3.5-debug", "glm-5-debug"])
 def test_one_by_one_equals_one_micro_batch(single_process, preset):
     hf, model = _model(preset, torch.float64)
     prompt = _tokens(hf, PROMPT, 4)

@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--replay-micro-batch-size", type=int, default=1)
     p.add_argument("--full-max-group", type=int, default=1,
                    help="full mode replays at most this many responses (its time is per sample)")
+    p.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="override the preset's position budget (RoPE extrapolation, as Megatron's flag)")
     p.add_argument("--output-dir", default="docs/bench")
     p.add_argument("--tag", default="", help="suffix for the output file names")
     args = p.parse_args(argv)
@@ -211,6 +213,8 @@ def main(argv=None):
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     init_distributed(ParallelSizes(), seed=1234)
     hf = resolve_hf_config(args.model)
+    if args.max_position_embeddings:
+        hf["max_position_embeddings"] = args.max_position_embeddings
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     results = []
     try:

@@ -34,6 +34,8 @@ for the first ``first_k_dense_replace`` layers (HF ``mlp_layer_types == "dense"`
   keeps the experts of this EP rank and renumbers them.
 - The router's ``expert_bias`` keeps Megatron's aux-loss-free update (``moe_router_bias_update_rate``)
   when training runs ``finalize_model_grads``; RoPE: ``rope_type`` ``default`` only (YaRN refused).
+- LongStraw prompt state (``glm5_state``): per layer the MLA latent ``[c_kv ; k_rope]`` of every
+  prompt token, plus the DSA indexer keys on layers with their own indexer (not "shared" ones).
 - HF checkpoints carry an MTP layer (``model.layers.{num_hidden_layers}.*``) that HF's own model
   ignores; it is dropped here as well, with a warning.
 """
@@ -49,13 +51,10 @@ from megatron.core.models.gpt.experimental_attention_variant_module_specs import
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
-    AbsorbedMLASelfAttention,
     AbsorbedMLASelfAttentionSubmodules,
 )
 from megatron.core.transformer.experimental_attention_variant.dsa import (
-    DSAIndexer,
     DSAIndexerSubmodules,
-    DSAttention,
     DSAttentionSubmodules,
     is_dsa_skip_topk_layer,
 )
@@ -76,6 +75,9 @@ from megatron_longstraw.models.glm5_layers import (
     DuplicatedLinear,
     GlmAbsorbedMLASelfAttention,
     IndexerLayerNorm,
+    LongStrawAbsorbedMLASelfAttention,
+    LongStrawDSAIndexer,
+    LongStrawDSAttention,
     fixed_eps_norm,
 )
 from megatron_longstraw.models.hf_config import get, require, rope_parameters
@@ -260,11 +262,12 @@ def attention_spec(config: TransformerConfig, backend) -> ModuleSpec:
     Transformer Engine: Megatron's ``get_dsa_module_spec_for_backend`` layout (duplicated
     ``TELinear`` down projections and indexer linears, ``TENorm``). Local: the same layout with
     ``DuplicatedLinear`` (through ``GlmAbsorbedMLASelfAttention``, see ``glm5_layers``) and the
-    project's SP-aware ``RMSNorm``.
+    project's SP-aware ``RMSNorm``. The attention, core attention and indexer are the LongStraw
+    subclasses (``glm5_layers``): Megatron's modules unless bound for capture/replay.
     """
     te = backend.fuse_layernorm_and_linear()
     if te:
-        attention, duplicated = AbsorbedMLASelfAttention, backend.linear()
+        attention, duplicated = LongStrawAbsorbedMLASelfAttention, backend.linear()
         latent_norm = backend.layer_norm(rms_norm=True, for_qk=True)
         k_norm = backend.layer_norm(rms_norm=False, for_qk=True)
     else:
@@ -272,7 +275,7 @@ def attention_spec(config: TransformerConfig, backend) -> ModuleSpec:
         latent_norm, k_norm = RMSNorm, IndexerLayerNorm
     latent_norm = fixed_eps_norm(latent_norm, HF_LATENT_NORM_EPS)
     indexer = ModuleSpec(
-        module=DSAIndexer,
+        module=LongStrawDSAIndexer,
         submodules=DSAIndexerSubmodules(
             linear_wq_b=duplicated, linear_wk=duplicated, k_norm=k_norm,
             linear_weights_proj=duplicated,
@@ -286,7 +289,7 @@ def attention_spec(config: TransformerConfig, backend) -> ModuleSpec:
             linear_q_up_proj=backend.column_parallel_linear(),
             linear_kv_down_proj=duplicated,
             linear_kv_up_proj=backend.column_parallel_linear(),
-            core_attention=ModuleSpec(module=DSAttention,
+            core_attention=ModuleSpec(module=LongStrawDSAttention,
                                       submodules=DSAttentionSubmodules(indexer=indexer)),
             linear_proj=backend.row_parallel_linear(),
             q_layernorm=latent_norm,

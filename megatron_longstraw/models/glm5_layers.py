@@ -15,8 +15,14 @@ slice ``k_pos_emb`` then keeps just this rank's heads' share of its gradient (th
 summed by the sequence-parallel gather, the RoPE part is not). Forward logits are right, input and
 ``kv_down`` gradients are not. Megatron's Transformer Engine spec avoids that path by using
 duplicated down projections; the subclass does the same with ``DuplicatedLinear``.
+
+LongStraw (capture/replay, ``longstraw.binding``): ``LongStrawAbsorbedMLASelfAttention`` owns the
+MLA latent state, ``LongStrawDSAIndexer`` the indexer keys (``glm5_state``), and
+``LongStrawDSAttention`` attends new tokens over ``[prompt state; new tokens]``
+(``prefix_sparse_attention``). Unbound, all three are Megatron's modules unchanged.
 """
 
+import contextlib
 import dataclasses
 
 import torch
@@ -24,9 +30,19 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
     AbsorbedMLASelfAttention,
+    _apply_absorbed_v_up_projection,
+)
+from megatron.core.transformer.experimental_attention_variant.dsa import (
+    DSAIndexer,
+    DSAttention,
+    _run_sparse_attention,
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
+from megatron_longstraw.models.glm5_state import IndexerKeyState, MLALatentState
+from megatron_longstraw.patches.dsa_causal_topk import fused_qk_topk_causal
 
 
 class DuplicatedLinear(MegatronModule):
@@ -60,7 +76,209 @@ class DuplicatedLinear(MegatronModule):
         """No delayed weight-gradient computation (interface of Megatron's linears)."""
 
 
-class GlmAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
+class RopeOffset:
+    """Forward pre-hook on a Megatron ``RotaryEmbedding``: shifts its positions by ``offset``.
+
+    Megatron's MLA and DSA indexer build their RoPE table from position 0 inside forward; capture
+    and replay run a slice of the sequence, so the table must start at the slice's position.
+    ``offset`` is 0 (no change) except inside ``shifted``.
+    """
+
+    def __init__(self, rotary_module: torch.nn.Module):
+        self.offset = 0
+        rotary_module.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        if not self.offset:
+            return None
+        if len(args) > 1:  # forward(max_seq_len, offset, ...)
+            return (args[0], args[1] + self.offset) + tuple(args[2:]), kwargs
+        return args, {**kwargs, "offset": kwargs.get("offset", 0) + self.offset}
+
+    @contextlib.contextmanager
+    def shifted(self, offset: int):
+        """RoPE at positions ``offset...`` for the block."""
+        self.offset = offset
+        try:
+            yield
+        finally:
+            self.offset = 0
+
+
+def _refuse_unsupported(module, what: str, packed_seq_params=None, inference_context=None) -> None:
+    if packed_seq_params is not None or inference_context is not None:
+        raise ValueError(f"LongStraw {what}: packed sequences and inference are not supported")
+    if module.pg_collection.cp.size() > 1:
+        raise ValueError(f"LongStraw {what}: context parallelism is not supported in capture/replay yet")
+
+
+def _with_prefix(prefix_SBD: torch.Tensor, new_SBD: torch.Tensor) -> torch.Tensor:
+    """``[prefix; new]`` along the sequence; a batch-1 prefix serves every sample of ``new``."""
+    prefix_SBD = prefix_SBD.to(new_SBD.dtype)
+    if prefix_SBD.shape[1] != new_SBD.shape[1]:
+        prefix_SBD = prefix_SBD.expand(prefix_SBD.shape[0], new_SBD.shape[1], *prefix_SBD.shape[2:])
+    return torch.cat([prefix_SBD, new_SBD])
+
+
+def _causal_bounds(prefix_length: int, seq: int, device):
+    """Megatron's varlen key bounds ``[0, position + 1)`` for queries at ``prefix_length...``."""
+    ends = torch.arange(prefix_length + 1, prefix_length + seq + 1, dtype=torch.int64, device=device)
+    return torch.zeros(seq, dtype=torch.int64, device=device), ends
+
+
+def prefix_sparse_attention(query_SBNK, key_SBK, prefix_key_SBK, topk_indices_BSK, up_v_weight,
+                            softmax_scale: float, config) -> torch.Tensor:
+    """Absorbed-MLA sparse attention of new-token queries over ``[prefix latents; new latents]``.
+
+    ``query_SBNK`` ``[s, b, heads, kv_lora_rank + rope]`` (absorbed, post-RoPE), ``key_SBK`` the new
+    tokens' latents ``[s, b, kv_lora_rank + rope]``, ``prefix_key_SBK`` the prompt state's
+    ``[p, b or 1, ...]`` (no gradient); ``topk_indices_BSK`` index ``[prefix; new]``, -1 for none.
+    Each query sees the selected keys at or before its position. Returns ``[s, b, heads * v]``
+    after the V up projection. This is the one place the computation lives: the CPU path is
+    Megatron's own absorbed sparse attention (dense scores, masked) on the concatenated keys;
+    a chunked GPU path over the prompt pages can replace it without touching the callers.
+    """
+    seq = query_SBNK.shape[0]
+    prefix_length = prefix_key_SBK.shape[0]
+    key_SB1K = _with_prefix(prefix_key_SBK, key_SBK).unsqueeze(2)
+    starts, ends = _causal_bounds(prefix_length, seq, query_SBNK.device)
+    return _run_sparse_attention(
+        absorbed_mla=True, query=query_SBNK, key=key_SB1K, value=None, up_v_weight=up_v_weight,
+        topk_indices=topk_indices_BSK, softmax_scale=softmax_scale, config=config, mask=None,
+        varlen_starts=starts, varlen_ends=ends, key_positions=None,
+    )
+
+
+class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
+    """Megatron's ``DSAIndexer`` that can rank ``[prompt indexer keys; new keys]``.
+
+    Its prompt state is the indexer key of every prompt token (``glm5_state.IndexerKeyState``).
+    Unbound, and in ``Mode.REFERENCE``, it is Megatron's indexer unchanged (its keys never carry
+    gradient, so there is nothing to detach).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rope_offset = RopeOffset(self.rotary_pos_emb)
+
+    def new_prompt_state(self, prompt_length: int, batch: int, device) -> IndexerKeyState:
+        """Empty key pages for ``prompt_length`` tokens."""
+        return IndexerKeyState(torch.empty(prompt_length, batch, self.index_head_dim,
+                                           dtype=self.config.params_dtype, device=device))
+
+    @torch.no_grad()
+    def topk_after_prefix(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        """Top-k ``[b, s, topk]`` of the new tokens over ``[prompt keys; new keys]``, causal.
+
+        Bound in ``Mode.CAPTURE`` it then appends the new keys to the state.
+        """
+        binding = self.longstraw
+        state = binding.state
+        with self.rope_offset.shifted(binding.position_offset):
+            q, k, weights = self.forward_before_topk(x, qr)
+        starts, ends = _causal_bounds(state.length, q.shape[0], q.device)
+        _, topk = fused_qk_topk_causal(q, _with_prefix(state.filled(), k), weights, self.index_topk,
+                                       varlen_starts=starts, varlen_ends=ends,
+                                       use_relu=self.config.dsa_indexer_scoring_relu)
+        if binding.mode == Mode.CAPTURE:
+            state.append(k)
+        return topk
+
+
+class LongStrawDSAttention(DSAttention):
+    """Megatron's ``DSAttention`` plus ``forward_after_prefix`` for capture/replay.
+
+    The prompt latents are passed in by the MLA layer that owns them; the top-k comes from this
+    layer's ``LongStrawDSAIndexer`` or, for a shared layer, from its source layer's selection in
+    the same forward, exactly as in Megatron's forward (same holder).
+    """
+
+    def forward_after_prefix(self, query_SBNK, key_SB1K, prefix_key_SBK, x, qr, up_v_weight):
+        """New tokens' attention over ``[prompt latents; new latents]``; ``[s, b, heads * v]``."""
+        _refuse_unsupported(self, "DSA")
+        if self.training and torch.is_grad_enabled() and (self.config.dsa_indexer_loss_coeff or 0) > 0:
+            raise ValueError("LongStraw DSA: the indexer KL loss (--dsa-indexer-loss-coeff > 0) is "
+                             "not supported in capture/replay")
+        if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
+            if query_SBNK.shape[0] != key_SB1K.shape[0]:
+                raise RuntimeError("LongStraw DSA: expected full-sequence queries and keys under SP")
+        x, qr = x.detach(), qr.detach()
+        holder = self._get_index_share_topk_holder(None, None) if self.index_share else None
+        if self.skip_topk:
+            if self.source_layer not in holder:
+                raise RuntimeError(f"DSA shared layer {self.layer_number}: source layer "
+                                   f"{self.source_layer} did not run before it")
+            topk = holder[self.source_layer]
+        else:
+            topk = self.indexer.topk_after_prefix(x, qr)
+            if holder is not None:
+                holder[self.layer_number] = topk
+        return prefix_sparse_attention(query_SBNK, key_SB1K.squeeze(2), prefix_key_SBK, topk,
+                                       up_v_weight, self.softmax_scale, self.config)
+
+
+class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule):
+    """Megatron's ``AbsorbedMLASelfAttention`` with the MLA latent as LongStraw prompt state.
+
+    Unbound: Megatron's forward. Bound (``longstraw.bind``): RoPE starts at the binding's
+    ``position_offset``; ``Mode.CAPTURE`` attends the chunk over the latents captured so far plus
+    itself and appends its latents; ``Mode.REPLAY`` attends the response over the prompt latents
+    plus itself; ``Mode.REFERENCE`` is the ordinary full-sequence forward with the prompt rows of
+    the latent (``c_kv`` and ``k_rope``, the core attention's key) detached. The core attention
+    must be ``LongStrawDSAttention``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rope_offset = RopeOffset(self.rotary_pos_emb)
+
+    def new_prompt_state(self, prompt_length: int, batch: int, device) -> MLALatentState:
+        """Empty latent pages for ``prompt_length`` tokens."""
+        width = self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim
+        return MLALatentState(torch.empty(prompt_length, batch, width, dtype=self.config.params_dtype,
+                                          device=device), self.config.kv_lora_rank)
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
+                rotary_pos_cos_sin=None, attention_bias=None, packed_seq_params=None,
+                position_ids=None, sequence_len_offset=None, *, inference_params=None):
+        """Megatron's forward when unbound; the stateful forward when bound (see class doc)."""
+        binding = self.longstraw
+        if binding is None:
+            return super().forward(
+                hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
+                rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params,
+                position_ids, sequence_len_offset, inference_params=inference_params)
+        _refuse_unsupported(self, "MLA", packed_seq_params, inference_context or inference_params)
+        if self.config.apply_rope_fusion or self.recompute_up_proj:
+            raise ValueError("LongStraw MLA: --apply-rope-fusion and mla_up_proj recompute are not "
+                             "supported in capture/replay")
+        if not isinstance(self.core_attention, LongStrawDSAttention):
+            raise TypeError("LongStraw MLA needs LongStrawDSAttention as core attention")
+        mode, state = binding.mode, binding.state
+        if mode != Mode.REFERENCE and binding.position_offset != state.length:
+            raise RuntimeError(f"LongStraw MLA: position offset {binding.position_offset} != "
+                               f"{state.length} captured tokens")
+        with self.rope_offset.shifted(binding.position_offset):
+            q_absorbed, kv_latent, q_compressed = self.get_query_key_value_tensors(hidden_states)
+        v_up_weight = self._get_v_up_weight()
+        if mode == Mode.REFERENCE:
+            core_out = self.core_attention(
+                q_absorbed, detach_prefix(kv_latent, binding.prefix_length, 0), value=None,
+                attention_mask=attention_mask, x=hidden_states, qr=q_compressed,
+                up_v_weight=v_up_weight, position_ids=position_ids, attn_mask_type=self.attn_mask_type)
+        else:
+            core_out = self.core_attention.forward_after_prefix(
+                q_absorbed, kv_latent, state.filled(), hidden_states, q_compressed, v_up_weight)
+            if mode == Mode.CAPTURE:
+                state.append(kv_latent.squeeze(2))
+        core_out = _apply_absorbed_v_up_projection(
+            core_out, v_up_weight, self.num_attention_heads_per_partition, self.config.kv_lora_rank,
+            self.config.v_head_dim, getattr(self.core_attention, "consumes_absorbed_v_up_projection", False))
+        return self.linear_proj(core_out)
+
+
+class GlmAbsorbedMLASelfAttention(LongStrawAbsorbedMLASelfAttention):
     """``AbsorbedMLASelfAttention`` that also accepts ``DuplicatedLinear`` down projections.
 
     Megatron only accepts TE/ColumnParallel down projections and would, with ColumnParallel,

@@ -5,6 +5,8 @@ applies, in order, those whose ``needed()`` is true; it is idempotent. Nothing o
 package monkeypatches Megatron. Current patches:
 
 - ``gdn_out_norm_tp_grads`` (everywhere): sum GDN ``out_norm`` gradients over TP ranks.
+- ``dsa_causal_topk`` (everywhere): DSA's naive top-k breaks exact score ties by position, so a
+  token's selection does not depend on how many tokens follow it (exact prompt state).
 
 CPU-only (a GPU host applies none of these):
 
@@ -19,6 +21,7 @@ import importlib
 
 PATCHES = (
     "gdn_out_norm_tp_grads",
+    "dsa_causal_topk",
     "cpu_current_device",
     "cpu_rng_tracker",
     "cpu_gated_delta_kernels",
