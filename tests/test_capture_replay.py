@@ -84,3 +84,89 @@ def test_one_by_one_equals_one_micro_batch(single_process, preset):
     batched = _grads(model)
     for name, ref in serial.items():
         assert torch.allclose(batched[name], ref, rtol=1e-10, atol=1e-14), name
+
+
+def _dsa_topk_holder(model):
+    """Megatron's per-forward DSA top-k holder (source layer number -> ``[b, s, topk]``)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+    return getattr(model.config, DSAttention._HOLDER_ATTR)
+
+
+def test_glm_replay_top_k_ranks_prompt_and_response_keys(single_process):
+    """Long enough that DSA drops most keys of response queries: replay's selection over
+    [prompt indexer keys; response indexer keys] is the full forward's, and it mixes both."""
+    hf, model = _model("glm-5-debug")
+    prompt_length, response_length, topk = 96, 40, hf["index_topk"]
+    prompt, response = _tokens(hf, prompt_length, 5), _tokens(hf, response_length, 6)
+    with torch.no_grad():
+        full = forward_logits(model, torch.cat([prompt, response], 1))[0, prompt_length - 1:-1]
+        full_topk = {layer: t[:, prompt_length:].clone() for layer, t in _dsa_topk_holder(model).items()}
+        state = capture_prompt(model, prompt, 32)
+        replayed = replay_logits(model, state, response)[:, 0]
+        replay_topk = dict(_dsa_topk_holder(model))
+    assert (replayed - full).abs().max().item() <= 1e-5
+    full_layers = [i + 1 for i, t in enumerate(hf["indexer_types"]) if t == "full"]
+    assert sorted(replay_topk) == sorted(full_topk) == full_layers
+    for layer in full_layers:
+        selected = replay_topk[layer][0]  # [response, topk]
+        assert selected.shape == (response_length, topk)
+        assert torch.equal(selected.sort(-1).values, full_topk[layer][0].sort(-1).values)
+        visible = prompt_length + 1 + torch.arange(response_length)[:, None]
+        assert ((selected >= 0) & (selected < visible)).all()  # causal, every slot used
+        assert (visible > 4 * topk).all()  # most visible keys are dropped
+        assert (selected < prompt_length).any() and (selected >= prompt_length).any()
+        mixed_rows = ((selected < prompt_length).any(-1) & (selected >= prompt_length).any(-1))
+        assert mixed_rows.sum() >= response_length // 4
+
+
+def test_glm_prompt_state_holds_latents_and_indexer_keys_only(single_process):
+    """Bytes = P x e x (layers x (kv_lora_rank + qk_rope_head_dim) + indexer layers x
+    index_head_dim) + the last hidden state; shared-indexer layers keep no indexer keys."""
+    from megatron_longstraw.models.glm5_state import IndexerKeyState, MLALatentState
+
+    hf, model = _model("glm-5-debug")
+    prompt_length, element = PROMPT, 4  # fp32
+    layers = hf["num_hidden_layers"]
+    full_indexers = sum(t == "full" for t in hf["indexer_types"])
+    expected = prompt_length * element * (
+        layers * (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) + full_indexers * hf["index_head_dim"]
+    ) + hf["hidden_size"] * element
+    with torch.no_grad():
+        state = capture_prompt(model, _tokens(hf, prompt_length, 7), 16)
+    assert state.nbytes() == expected
+    kinds = sorted(type(s).__name__ for s in state.layers.values())
+    assert kinds == sorted(["MLALatentState"] * layers + ["IndexerKeyState"] * full_indexers)
+    for name, layer_state in state.layers.items():
+        assert layer_state.length == prompt_length, name
+        if isinstance(layer_state, MLALatentState):
+            assert layer_state.c_kv_SBC.shape == (prompt_length, 1, hf["kv_lora_rank"])
+            assert layer_state.k_rope_SBR.shape == (prompt_length, 1, hf["qk_rope_head_dim"])
+        else:
+            assert isinstance(layer_state, IndexerKeyState)
+            assert layer_state.key_SBD.shape == (prompt_length, 1, hf["index_head_dim"])
+    # the captured latents are the ones a single full forward computes (chunking changes nothing)
+    with torch.no_grad():
+        whole = capture_prompt(model, _tokens(hf, prompt_length, 7), prompt_length)
+    for name, layer_state in state.layers.items():
+        for field, tensor in layer_state.tensors().items():
+            assert (tensor - whole.layers[name].tensors()[field]).abs().max() <= 1e-6, (name, field)
+
+
+def test_glm_capture_leaves_moe_routing_statistics_alone(single_process):
+    """No-grad capture neither updates ``expert_bias`` nor counts tokens for its update; replay
+    (with grad) counts the response tokens only."""
+    hf, model = _model("glm-5-debug")
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
+    assert routers and all(r.local_tokens_per_expert is not None for r in routers)
+    biases = [r.expert_bias.clone() for r in routers]
+    for router in routers:
+        router.local_tokens_per_expert.zero_()
+    state = capture_prompt(model, _tokens(hf, PROMPT, 8), 16)
+    for router, bias in zip(routers, biases):
+        assert torch.equal(router.expert_bias, bias)
+        assert router.local_tokens_per_expert.sum() == 0
+    replay_logits(model, state, _tokens(hf, RESPONSE, 9)).sum().backward()
+    for router, bias in zip(routers, biases):
+        assert torch.equal(router.expert_bias, bias)
+        assert router.local_tokens_per_expert.sum() == RESPONSE * hf["num_experts_per_tok"]

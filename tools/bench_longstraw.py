@@ -79,7 +79,7 @@ def _optimizer(model):
     """AdamW with its states allocated up front, so they count in every peak."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=torch.cuda.is_available())
     for p in model.parameters():
-        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+        opt.state[p] = {"step": torch.tensor(0.0, device=p.device), "exp_avg": torch.zeros_like(p),
                         "exp_avg_sq": torch.zeros_like(p)}
         p.grad = torch.zeros_like(p)
     return opt

@@ -17,7 +17,9 @@ for the first ``first_k_dense_replace`` layers (HF ``mlp_layer_types == "dense"`
 - DSA indexer: ``wq_b`` (from the normed q latent), ``wk`` + LayerNorm(eps 1e-6, with bias),
   interleaved RoPE on the first ``qk_rope_head_dim`` dims (``dsa_indexer_rope_interleaved``),
   ``relu(q.k) * w * n_heads^-0.5 * head_dim^-0.5`` summed over heads (``dsa_indexer_scoring_relu``;
-  no Hadamard rotation), causal mask, top-``index_topk``; attention is causal AND top-k.
+  no Hadamard rotation), causal mask, top-``index_topk`` (exact score ties broken by position,
+  ``patches.dsa_causal_topk``, so a selection never depends on later tokens); attention is causal
+  AND top-k.
 - ``indexer_types``: a ``"shared"`` layer reuses the top-k of the most recent ``"full"`` layer
   (HF passes ``topk_indices`` down the stack). Megatron's ``dsa_indexer_topk_freq`` /
   ``dsa_indexer_skip_topk_offset`` express the periodic patterns HF derives from
@@ -27,13 +29,17 @@ for the first ``first_k_dense_replace`` layers (HF ``mlp_layer_types == "dense"`
   only), group-limited routing (HF sums the top-2 scores of a group; Megatron the top
   ``topk // group_topk``, so a restricting grouping needs ``topk // topk_group == 2``), top-k
   weights renormalized (Megatron always does for sigmoid, so ``norm_topk_prob`` must be true),
-  times ``routed_scaling_factor`` (``moe_router_topk_scaling_factor``); router math in fp32.
+  times ``routed_scaling_factor`` (``moe_router_topk_scaling_factor``); router math in fp32 (fp64
+  for fp64 parameters, so fp64 tests are fp64 throughout).
 - Experts: HF ``gate_up_proj[e]`` is ``[gate; up]`` = Megatron's fused ``linear_fc1`` of
   ``SequentialMLP`` expert ``e``; the shared expert is ``moe_shared_expert_intermediate_size``.
 - The full state dict uses GLOBAL expert numbers in ``local_experts.{e}``; ``load_full_state_dict``
   keeps the experts of this EP rank and renumbers them.
 - The router's ``expert_bias`` keeps Megatron's aux-loss-free update (``moe_router_bias_update_rate``)
-  when training runs ``finalize_model_grads``; RoPE: ``rope_type`` ``default`` only (YaRN refused).
+  when training runs ``finalize_model_grads``; Megatron only counts tokens for it with grad
+  enabled, so LongStraw capture (no grad) neither counts prompt tokens nor changes the bias;
+  replay counts response tokens (padding of a micro-batch included; the full-graph baseline also
+  counts the prompt once per response); RoPE: ``rope_type`` ``default`` only (YaRN refused).
 - LongStraw prompt state (``glm5_state``): per layer the MLA latent ``[c_kv ; k_rope]`` of every
   prompt token, plus the DSA indexer keys on layers with their own indexer (not "shared" ones).
 - HF checkpoints carry an MTP layer (``model.layers.{num_hidden_layers}.*``) that HF's own model
@@ -243,7 +249,7 @@ def transformer_config(hf: dict, options: ModelOptions) -> MLATransformerConfig:
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=get(hf, "routed_scaling_factor", 1.0),
-        moe_router_dtype="fp32",
+        moe_router_dtype="fp64" if kwargs["params_dtype"] == torch.float64 else "fp32",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * shared if shared else None,

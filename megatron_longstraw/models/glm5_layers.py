@@ -199,9 +199,6 @@ class LongStrawDSAttention(DSAttention):
         if self.training and torch.is_grad_enabled() and (self.config.dsa_indexer_loss_coeff or 0) > 0:
             raise ValueError("LongStraw DSA: the indexer KL loss (--dsa-indexer-loss-coeff > 0) is "
                              "not supported in capture/replay")
-        if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
-            if query_SBNK.shape[0] != key_SB1K.shape[0]:
-                raise RuntimeError("LongStraw DSA: expected full-sequence queries and keys under SP")
         x, qr = x.detach(), qr.detach()
         holder = self._get_index_share_topk_holder(None, None) if self.index_share else None
         if self.skip_topk:

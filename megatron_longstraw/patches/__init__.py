@@ -7,6 +7,8 @@ package monkeypatches Megatron. Current patches:
 - ``gdn_out_norm_tp_grads`` (everywhere): sum GDN ``out_norm`` gradients over TP ranks.
 - ``dsa_causal_topk`` (everywhere): DSA's naive top-k breaks exact score ties by position, so a
   token's selection does not depend on how many tokens follow it (exact prompt state).
+- ``dsa_promote_precision`` (everywhere): DSA's unfused math in ``promote(dtype, fp32)`` instead
+  of fp32 (fp64 models stay fp64; no change below fp64).
 
 CPU-only (a GPU host applies none of these):
 
@@ -22,6 +24,7 @@ import importlib
 PATCHES = (
     "gdn_out_norm_tp_grads",
     "dsa_causal_topk",
+    "dsa_promote_precision",
     "cpu_current_device",
     "cpu_rng_tracker",
     "cpu_gated_delta_kernels",

@@ -9,6 +9,9 @@ import importlib
 import sys
 
 import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron_longstraw.patches.dsa_causal_topk import causal_topk
 
 _MODELING = {
     "qwen3_5_text": ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5ForCausalLM",
@@ -48,7 +51,10 @@ def build_hf_model(hf: dict, seed: int = 0, dtype=torch.float32, init_scale: flo
 
     Every parameter is drawn from ``N(0, init_scale)`` (norm weights around their neutral value
     plus noise) so that no weight is trivially zero or one and every mapping error shows; so is
-    the persistent MoE routing-bias buffer ``e_score_correction_bias`` (``N(0, 0.1)``).
+    the persistent MoE routing-bias buffer ``e_score_correction_bias`` (``N(0, 0.01)``: it still
+    changes expert choices, but smaller than the token-dependent spread of the sigmoid router
+    scores at this init; at ``N(0, 0.1)`` it dominated them, routing ignored the token and most
+    experts of the debug models never received a token).
     """
     model_cls, config_cls = hf_model_class(hf["model_type"])
     fields = {k: v for k, v in hf.items() if not k.startswith("_") and k != "model_type"}
@@ -66,5 +72,34 @@ def build_hf_model(hf: dict, seed: int = 0, dtype=torch.float32, init_scale: flo
                 param.normal_(0.0, init_scale if param.dim() >= 2 else 0.1)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # MoE routing bias (GLM-5, DeepSeek)
-                buffer.normal_(0.0, 0.1)
+                buffer.normal_(0.0, 0.01)
+    _use_causal_indexer_topk(model)
     return model.eval()
+
+
+class _CausalTopk(TorchFunctionMode):
+    """``Tensor.topk`` over the last dim with exact ties broken by position (lower first)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.topk, torch.topk):
+            bound = dict(zip(("input", "k", "dim", "largest", "sorted"), args), **kwargs)
+            scores, k = bound["input"], bound["k"]
+            if bound.get("dim", -1) in (-1, scores.dim() - 1) and bound.get("largest", True):
+                return torch.return_types.topk(causal_topk(scores, k))
+        return func(*args, **kwargs)
+
+
+def _use_causal_indexer_topk(model) -> None:
+    """Give HF's DSA indexers the project's causal tie rule (``patches.dsa_causal_topk``).
+
+    HF's ``index_scores.topk`` returns, among exactly tied scores, keys that depend on the row
+    length (how many masked tokens follow the query), so HF's selection is not causal; the
+    Megatron model ranks ties by position, and the reference must agree on tied rows.
+    """
+    for module in model.modules():
+        if type(module).__name__.endswith("DsaIndexer"):
+            mode = _CausalTopk()
+            module.register_forward_pre_hook(lambda *_, mode=mode: mode.__enter__() and None)
+            module.register_forward_hook(lambda *_, mode=mode: mode.__exit__(None, None, None) and None,
+                                         always_call=True)
