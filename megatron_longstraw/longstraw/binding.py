@@ -61,7 +61,11 @@ def model_signature(model) -> str:
 @contextlib.contextmanager
 def bind(model, mode: Mode, state: Optional[PromptState] = None, *, position_offset: int = 0,
          prefix_length: int = 0):
-    """Bind every stateful module of ``model`` for the block; unbinds on exit."""
+    """Bind every stateful module of ``model`` for the block; restores the previous binding on exit.
+
+    Keep backward inside the block when activations are recomputed (``--recompute-granularity``):
+    recomputation re-runs forward during backward and must see the same binding.
+    """
     modules = stateful_modules(model)
     if state is not None:
         if state.model_signature != model_signature(model):
@@ -70,14 +74,15 @@ def bind(model, mode: Mode, state: Optional[PromptState] = None, *, position_off
         missing = sorted(set(modules) - set(state.layers))
         if missing:
             raise ValueError(f"prompt state has no entry for layers {missing[:3]}")
+    previous = {name: module.longstraw for name, module in modules.items()}
     for name, module in modules.items():
         module.longstraw = Binding(mode, state.layers[name] if state is not None else None,
                                    position_offset, prefix_length)
     try:
         yield
     finally:
-        for module in modules.values():
-            module.longstraw = None
+        for name, module in modules.items():
+            module.longstraw = previous[name]
 
 
 def detach_prefix(tensor: torch.Tensor, prefix_length: int, seq_dim: int) -> torch.Tensor:

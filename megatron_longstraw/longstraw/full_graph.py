@@ -37,8 +37,10 @@ def full_graph_responses(model, prompt_ids_1S: torch.Tensor, responses: Sequence
     for start in range(0, len(responses), micro_batch_size):
         indices = list(range(start, min(start + micro_batch_size, len(responses))))
         ids_BR, mask_RB = pad_responses([responses[i] for i in indices])
-        logprobs_RB = token_logprobs(full_graph_logits(model, prompt_ids_1S, ids_BR), ids_BR.t())
-        loss = loss_fn(logprobs_RB, mask_RB, indices)
-        loss.backward()
+        # backward inside the binding: recomputed layers re-run forward with the same detaches
+        with bind(model, Mode.REFERENCE, prefix_length=prompt_ids_1S.shape[1]):
+            logprobs_RB = token_logprobs(full_graph_logits(model, prompt_ids_1S, ids_BR), ids_BR.t())
+            loss = loss_fn(logprobs_RB, mask_RB, indices)
+            loss.backward()
         losses.append(loss.item())
     return losses

@@ -59,8 +59,10 @@ def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor
     for start in range(0, len(responses), micro_batch_size):
         indices = list(range(start, min(start + micro_batch_size, len(responses))))
         ids_BR, mask_RB = pad_responses([responses[i] for i in indices])
-        logprobs_RB = token_logprobs(replay_logits(model, state, ids_BR), ids_BR.t())
-        loss = loss_fn(logprobs_RB, mask_RB, indices)
-        loss.backward()
+        # backward inside the binding: recomputed layers re-run forward against the state
+        with bind(model, Mode.REPLAY, state, position_offset=state.prompt_length):
+            logprobs_RB = token_logprobs(replay_logits(model, state, ids_BR), ids_BR.t())
+            loss = loss_fn(logprobs_RB, mask_RB, indices)
+            loss.backward()
         losses.append(loss.item())
     return losses
