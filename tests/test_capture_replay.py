@@ -195,3 +195,19 @@ def test_activation_recompute_keeps_both_modes_exact(single_process, preset):
         for key in (("full", "full"), (None, "replay"), ("full", "replay")):
             rel = ((grads[key][name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
             assert rel <= 1e-5, f"{key} {name}: relative gradient error {rel}"
+
+
+def test_chunked_response_logprobs_equal_unchunked(single_process):
+    from megatron_longstraw.longstraw.model_steps import output_logits, response_logprobs, token_logprobs
+
+    hf, model = _model("qwen3.5-debug", torch.float64)
+    hidden = torch.randn(11, 2, hf["hidden_size"], dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, hf["vocab_size"], (11, 2))
+    results = []
+    for chunked in (False, True):
+        lp = response_logprobs(model, hidden, targets, chunk_tokens=3) if chunked else \
+            token_logprobs(output_logits(model, hidden), targets)
+        grads = torch.autograd.grad(lp.sum(), [hidden, model.output_layer.weight])
+        results.append((lp, *grads))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)

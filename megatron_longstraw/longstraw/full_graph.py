@@ -12,12 +12,18 @@ from typing import Sequence
 import torch
 
 from megatron_longstraw.longstraw.binding import Mode, bind
-from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, embed, output_logits, token_logprobs
+from megatron_longstraw.longstraw.model_steps import (
+    FinalNormInput, decode, embed, output_logits, response_logprobs)
 from megatron_longstraw.longstraw.replay import LossFn, pad_responses
 
 
 def full_graph_logits(model, prompt_ids_1S: torch.Tensor, response_ids_BR: torch.Tensor) -> torch.Tensor:
     """Logits ``[r, b, vocab/tp]`` predicting each response token from one full forward."""
+    return output_logits(model, full_graph_hidden(model, prompt_ids_1S, response_ids_BR))
+
+
+def full_graph_hidden(model, prompt_ids_1S: torch.Tensor, response_ids_BR: torch.Tensor) -> torch.Tensor:
+    """Final hidden states ``[r, b, h]`` predicting each response token from one full forward."""
     prompt_length = prompt_ids_1S.shape[1]
     batch = response_ids_BR.shape[0]
     ids_BS = torch.cat([prompt_ids_1S.expand(batch, -1), response_ids_BR], dim=1)
@@ -27,7 +33,7 @@ def full_graph_logits(model, prompt_ids_1S: torch.Tensor, response_ids_BR: torch
             hidden_SBH = decode(model, embed(model, ids_BS, 0), 0)
     finally:
         final_norm.remove()
-    return output_logits(model, hidden_SBH[prompt_length - 1:-1])
+    return hidden_SBH[prompt_length - 1:-1]
 
 
 def full_graph_responses(model, prompt_ids_1S: torch.Tensor, responses: Sequence[torch.Tensor],
@@ -39,7 +45,7 @@ def full_graph_responses(model, prompt_ids_1S: torch.Tensor, responses: Sequence
         ids_BR, mask_RB = pad_responses([responses[i] for i in indices])
         # backward inside the binding: recomputed layers re-run forward with the same detaches
         with bind(model, Mode.REFERENCE, prefix_length=prompt_ids_1S.shape[1]):
-            logprobs_RB = token_logprobs(full_graph_logits(model, prompt_ids_1S, ids_BR), ids_BR.t())
+            logprobs_RB = response_logprobs(model, full_graph_hidden(model, prompt_ids_1S, ids_BR), ids_BR.t())
             loss = loss_fn(logprobs_RB, mask_RB, indices)
             loss.backward()
         losses.append(loss.item())

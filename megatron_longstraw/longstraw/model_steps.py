@@ -40,6 +40,31 @@ def token_logprobs(logits_SBV: torch.Tensor, targets_SB: torch.Tensor) -> torch.
     return -tensor_parallel.vocab_parallel_cross_entropy(logits_SBV, targets_SB.contiguous())
 
 
+def _chunk_logprobs(model, hidden_SBH, targets_SB):
+    return token_logprobs(output_logits(model, hidden_SBH), targets_SB)
+
+
+def response_logprobs(model, hidden_SBH: torch.Tensor, targets_SB: torch.Tensor,
+                      chunk_tokens: int = 2048) -> torch.Tensor:
+    """``log p(target)`` ``[s, b]`` from final hidden states, ``chunk_tokens`` positions at a time.
+
+    With autograd, each chunk's logits are recomputed in backward (activation checkpoint), so a
+    response keeps only its hidden states, not ``s x vocab`` logits and softmax (8K tokens of a
+    248K vocabulary would be ~12 GB).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    pieces = []
+    for start in range(0, hidden_SBH.shape[0], chunk_tokens):
+        hidden, targets = hidden_SBH[start:start + chunk_tokens], targets_SB[start:start + chunk_tokens]
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            pieces.append(torch.utils.checkpoint.checkpoint(
+                _chunk_logprobs, model, hidden, targets, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(model, hidden, targets))
+    return torch.cat(pieces)
+
+
 class FinalNormInput:
     """Forward pre-hook on the decoder's final norm: keeps its input, or detaches a prefix of it."""
 

@@ -5,7 +5,7 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_longstraw.longstraw.binding import Mode, bind
-from megatron_longstraw.longstraw.model_steps import decode, embed, output_logits, token_logprobs
+from megatron_longstraw.longstraw.model_steps import decode, embed, output_logits, response_logprobs
 from megatron_longstraw.longstraw.state import PromptState
 
 # loss_fn(logprobs_RB, mask_RB, sample_indices) -> scalar; summed over micro-batches, so it must be
@@ -27,10 +27,15 @@ def pad_responses(responses: Sequence[torch.Tensor], pad_id: int = 0):
 
 
 def replay_logits(model, state: PromptState, response_ids_BR: torch.Tensor) -> torch.Tensor:
-    """Logits ``[r, b, vocab/tp]`` predicting each response token, with autograd.
+    """Logits ``[r, b, vocab/tp]`` predicting each response token, with autograd."""
+    return output_logits(model, replay_hidden(model, state, response_ids_BR))
 
-    Row 0 comes from the prompt's last position (final norm and output layer with grad, the
-    hidden state detached); rows 1.. from the response's own positions.
+
+def replay_hidden(model, state: PromptState, response_ids_BR: torch.Tensor) -> torch.Tensor:
+    """Final hidden states ``[r, b, h]`` predicting each response token, with autograd.
+
+    Row 0 comes from the prompt's last position (final norm with grad, the hidden state
+    detached); rows 1.. from the response's own positions.
     """
     batch, length = response_ids_BR.shape
     if state.batch != 1 and state.batch != batch:
@@ -43,7 +48,7 @@ def replay_logits(model, state: PromptState, response_ids_BR: torch.Tensor) -> t
     with bind(model, Mode.REPLAY, state, position_offset=offset):
         hidden_SBH = decode(model, embed(model, response_ids_BR, offset), offset)
     first_1BH = model.decoder.final_layernorm(state.last_hidden_1BH.expand(-1, batch, -1))
-    return output_logits(model, torch.cat([first_1BH, hidden_SBH[:-1]]))
+    return torch.cat([first_1BH, hidden_SBH[:-1]])
 
 
 def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor], loss_fn: LossFn,
@@ -61,7 +66,7 @@ def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor
         ids_BR, mask_RB = pad_responses([responses[i] for i in indices])
         # backward inside the binding: recomputed layers re-run forward against the state
         with bind(model, Mode.REPLAY, state, position_offset=state.prompt_length):
-            logprobs_RB = token_logprobs(replay_logits(model, state, ids_BR), ids_BR.t())
+            logprobs_RB = response_logprobs(model, replay_hidden(model, state, ids_BR), ids_BR.t())
             loss = loss_fn(logprobs_RB, mask_RB, indices)
             loss.backward()
         losses.append(loss.item())
