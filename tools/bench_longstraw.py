@@ -2,7 +2,8 @@
 
 For a preset and lists of prompt lengths and group sizes, measures peak allocated memory and
 time per phase (capture, each replay, optimizer step) for ``--modes longstraw,full``, predicts the
-analytic memory floor, and writes JSON, a markdown table and a PNG plot (peak memory vs prompt
+memory floor (parameters + gradients + AdamW states + the prompt state, all by formula, plus
+the bytes autograd keeps for one replayed micro-batch, counted with saved-tensor hooks), and writes JSON, a markdown table and a PNG plot (peak memory vs prompt
 length for both modes, and vs G) into ``--output-dir``, each with the command that made it.
 
 Example (GPU host):
@@ -11,6 +12,7 @@ Example (GPU host):
 """
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -22,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter  # noqa: E402
 from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
-from megatron_longstraw.longstraw.cost_model import (  # noqa: E402
-    linear_weight_elements, memory_floor_bytes, qwen_prompt_flops, response_activation_bytes)
+from megatron_longstraw.longstraw.cost_model import linear_weight_elements, memory_floor_bytes, qwen_prompt_flops  # noqa: E402
 from megatron_longstraw.longstraw.full_graph import full_graph_responses  # noqa: E402
 from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
 from megatron_longstraw.models.builder import build_model  # noqa: E402
@@ -111,13 +113,17 @@ def run_point(model, hf, mode, prompt_length, group, args):
             result["capture_tflops"] = flops / result["capture_s"] / 1e12
             result["capture_mfu"] = result["capture_tflops"] / PEAK_TFLOPS
             replay_times = []
+            state_tensors = [t for layer in state.layers.values() for t in layer.tensors().values()]
+            meter = SavedTensorMeter([*model.parameters(), *state_tensors, state.last_hidden_1BH])
             for i in range(0, group, args.replay_micro_batch_size):
                 t0 = time.perf_counter()
-                replay_responses(model, state, responses[i:i + args.replay_micro_batch_size], loss_fn,
-                                 args.replay_micro_batch_size)
+                with meter if i == 0 else contextlib.nullcontext():  # one micro-batch's activations
+                    replay_responses(model, state, responses[i:i + args.replay_micro_batch_size], loss_fn,
+                                     args.replay_micro_batch_size)
                 _sync()
                 replay_times.append(time.perf_counter() - t0)
             result["replay_s"] = replay_times
+            result["activation_gib"] = meter.nbytes / GiB
         else:
             replay_times = []
             for response in responses[: args.full_max_group]:
@@ -135,10 +141,7 @@ def run_point(model, hf, mode, prompt_length, group, args):
         if mode == "longstraw":
             n_params = sum(p.numel() for p in model.parameters())
             dtype_bytes = next(model.parameters()).element_size()
-            floor = memory_floor_bytes(
-                n_params, dtype_bytes, 2 * dtype_bytes, state.nbytes(),
-                response_activation_bytes(hf, args.response_length * args.replay_micro_batch_size,
-                                          hf["vocab_size"], dtype_bytes))
+            floor = memory_floor_bytes(n_params, dtype_bytes, 2 * dtype_bytes, state.nbytes(), meter.nbytes)
             result["floor_gib"] = floor / GiB
             result["peak_over_floor"] = result["peak_gib"] / result["floor_gib"]
             state.free()
@@ -159,17 +162,18 @@ def write_outputs(results, args, command, quiet=False):
     stem = f"bench_{args.model}{('_' + args.tag) if args.tag else ''}"
     (out / f"{stem}.json").write_text(json.dumps(dict(command=command, results=results), indent=1))
     lines = [f"# LongStraw benchmark: {args.model}", "", f"Command: `{command}`", "",
-             "| mode | prompt | G | capture s | capture MFU | replay s (mean) | per-sample s | step s | peak GiB | floor GiB | peak/floor |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| mode | prompt | G | capture s | capture MFU | replay s (mean) | per-sample s | step s | state GiB | act GiB | peak GiB | floor GiB | peak/floor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if r.get("oom"):
-            lines.append(f"| {r['mode']} | {r['prompt_length']} | {r['group']} | OOM | | | | | >{r['peak_gib']:.1f} | | |")
+            lines.append(f"| {r['mode']} | {r['prompt_length']} | {r['group']} | OOM | | | | | | | >{r['peak_gib']:.1f} | | |")
             continue
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
         lines.append(
             f"| {r['mode']} | {r['prompt_length']} | {r['group']} | {r.get('capture_s', float('nan')):.1f} "
             f"| {r.get('capture_mfu', float('nan')):.1%} | {mean(r.get('replay_s', [])):.2f} "
-            f"| {mean(r.get('per_sample_s', [])):.2f} | {r['step_s']:.1f} | {r['peak_gib']:.2f} "
+            f"| {mean(r.get('per_sample_s', [])):.2f} | {r['step_s']:.1f} | {r.get('state_gib', float('nan')):.2f} "
+            f"| {r.get('activation_gib', float('nan')):.2f} | {r['peak_gib']:.2f} "
             f"| {r.get('floor_gib', float('nan')):.2f} | {r.get('peak_over_floor', float('nan')):.3f} |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     _plot(results, out / f"{stem}.png", command)

@@ -1,4 +1,4 @@
-"""Analytic FLOPs (for MFU) and the analytic memory floor of a LongStraw step.
+"""Analytic FLOPs (for MFU) and the memory floor of a LongStraw step.
 
 FLOPs count model math only: 2 x weight elements per token for every linear layer of the
 decoder, causal attention as ``2 * heads * (d_qk + d_v) * s^2 / 2`` per layer (a chunk at
@@ -36,14 +36,3 @@ def memory_floor_bytes(n_params: int, param_bytes: int, optimizer_bytes_per_para
     return (n_params * (2 * param_bytes + optimizer_bytes_per_param)
             + prompt_state_bytes + response_activation_bytes)
 
-
-def response_activation_bytes(hf: dict, response_tokens: int, vocab_per_rank: int, dtype_bytes: int) -> int:
-    """Estimate of what one replayed micro-batch of ``response_tokens`` keeps for backward.
-
-    Per layer ``34 * hidden`` bytes-equivalents per token (Megatron's activation estimate for a
-    layer without recompute, in units of ``dtype_bytes / 2``), plus the logits chain: bf16 logits,
-    their fp32 copy and the fp32 softmax gradient of the vocabulary-parallel cross entropy.
-    """
-    layers = hf["num_hidden_layers"] * response_tokens * 34 * hf["hidden_size"] * dtype_bytes // 2
-    logits = response_tokens * vocab_per_rank * (dtype_bytes + 4 + 4)
-    return layers + logits
