@@ -3,7 +3,9 @@
 # most 64 MiB, so the wheels travel in two consecutive calls while the machine stays warm:
 #   call 1 (carry .whl-a):  bash scripts/gpu_host.sh install-a
 #   call 2 (carry .whl-b):  bash scripts/gpu_host.sh run [pytest -k EXPR ...]
+#   later calls:            bash scripts/gpu_host.sh bench [tools/bench_longstraw.py args ...]
 # `run` installs .whl-b, runs the GPU test tier (tests marked gpu), then prints a short table.
+# `bench` runs the LongStraw benchmark into $OUT/bench (copy it into docs/ afterwards).
 # Wheels come from ../shared/offline-gpu/fetch-wheels.sh, run here in the repo root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,5 +26,11 @@ case "${1:-}" in
     set -e
     python3 tools/gpu_summary.py "$out/gpu-tests.xml"
     exit "$status" ;;
-  *) echo "usage: bash scripts/gpu_host.sh install-a | run [pytest args]" >&2; exit 2 ;;
+  bench)
+    shift
+    [ -d .whl-b ] && install .whl-b
+    export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    [ -d /tmp/te-site ] && export PYTHONPATH=/tmp/te-site:$PYTHONPATH
+    python3 tools/bench_longstraw.py --output-dir "${OUT:-/tmp}/bench" "$@" 2>&1 | grep -v -i "warn\|deprecated" ;;
+  *) echo "usage: bash scripts/gpu_host.sh install-a | run [pytest args] | bench [bench args]" >&2; exit 2 ;;
 esac

@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--group-sizes", default="2,8")
     p.add_argument("--response-length", type=int, default=8192)
     p.add_argument("--modes", default="longstraw,full")
+    p.add_argument("--full-prompt-lengths", default=None,
+                   help="prompt lengths for the full-graph mode (default: --prompt-lengths)")
     p.add_argument("--prompt-chunk-size", type=int, default=32768)
     p.add_argument("--replay-micro-batch-size", type=int, default=1)
     p.add_argument("--full-max-group", type=int, default=1,
@@ -56,6 +58,8 @@ def parse_args(argv=None):
     for flag in ("prompt_lengths", "group_sizes", "modes"):
         setattr(args, flag, [x for x in getattr(args, flag).split(",") if x])
     args.prompt_lengths = [int(x) for x in args.prompt_lengths]
+    args.full_prompt_lengths = ([int(x) for x in args.full_prompt_lengths.split(",") if x]
+                                if args.full_prompt_lengths else args.prompt_lengths)
     args.group_sizes = [int(x) for x in args.group_sizes]
     bad = set(args.modes) - {"longstraw", "full"}
     if bad:
@@ -226,7 +230,7 @@ def main(argv=None):
             model = build_model(hf, ModelOptions(params_dtype=dtype,
                                                  recompute_granularity="full" if mode == "full" else None))
             model.optimizer = _optimizer(model)
-            for length in args.prompt_lengths:
+            for length in (args.prompt_lengths if mode == "longstraw" else args.full_prompt_lengths):
                 for group in (args.group_sizes if mode == "longstraw" else [1]):
                     result = run_point(model, hf, mode, length, group, args)
                     print(json.dumps(result), flush=True)
