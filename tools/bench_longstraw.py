@@ -113,9 +113,10 @@ def run_point(model, hf, mode, prompt_length, group, args):
             result["capture_s"] = time.perf_counter() - start
             result["capture_peak_gib"] = _peak_gib()
             result["state_gib"] = state.nbytes() / GiB
-            flops = qwen_prompt_flops(hf, linear_weight_elements(model), prompt_length)
-            result["capture_tflops"] = flops / result["capture_s"] / 1e12
-            result["capture_mfu"] = result["capture_tflops"] / PEAK_TFLOPS
+            if hf["model_type"].startswith("qwen3_5"):  # FLOPs formula exists for this family
+                flops = qwen_prompt_flops(hf, linear_weight_elements(model), prompt_length)
+                result["capture_tflops"] = flops / result["capture_s"] / 1e12
+                result["capture_mfu"] = result["capture_tflops"] / PEAK_TFLOPS
             replay_times = []
             state_tensors = [t for layer in state.layers.values() for t in layer.tensors().values()]
             meter = SavedTensorMeter([*model.parameters(), *state_tensors, state.last_hidden_1BH])
