@@ -33,7 +33,7 @@ class LayerState:
     def to(self, device) -> "LayerState":
         """Move every tensor (e.g. to CPU for offload) in place; returns self."""
         for name, tensor in self.tensors().items():
-            setattr(self, name, tensor.to(device, non_blocking=True))
+            setattr(self, name, tensor.to(device))
         return self
 
     def free(self) -> None:
