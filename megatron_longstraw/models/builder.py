@@ -13,8 +13,12 @@ from megatron_longstraw.models.registry import family_for
 
 def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
                 parallel_output: bool = True, pre_process: Optional[bool] = None,
-                post_process: Optional[bool] = None, vp_stage: Optional[int] = None) -> GPTModel:
-    """Build the Megatron model for an HF-style config dict on this rank's pipeline stage."""
+                post_process: Optional[bool] = None, vp_stage: Optional[int] = None,
+                to_device: bool = True) -> GPTModel:
+    """Build the Megatron model for an HF-style config dict on this rank's pipeline stage.
+
+    ``to_device=False`` leaves the parameters where they were created (e.g. the meta device).
+    """
     family = family_for(hf.get("model_type"))
     hf = family.normalize_hf_config(hf)
     backend = backend_provider(options)
@@ -33,7 +37,7 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
         **family.gpt_model_kwargs(hf),
     )
     model.hf_config = hf
-    if torch.cuda.is_available():
+    if to_device and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
 

@@ -379,9 +379,49 @@ _GATE_UP = (  # HF (gate, up) pairs fused into Megatron's [gate; up] linear_fc1
 _EXPERT = "mlp.experts.local_experts.{}.linear_fc{}.weight"
 
 
-def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
+_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def hf_group(name: str, hf: dict) -> str | None:
+    """Group of an HF checkpoint tensor: tensors of one group convert together (a gate/up pair
+    of the dense MLP, the shared expert or one routed expert); ``None`` for MTP layers
+    (``model.layers.{num_hidden_layers}.*`` and above), which ``hf_to_mcore`` drops."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if not match:
+        return name
+    layer, suffix = int(match.group(1)), match.group(2)
+    if layer >= normalize_hf_config(hf)["num_hidden_layers"]:
+        return None
+    if expert := _HF_EXPERT.fullmatch(suffix):
+        if expert.group(2) != "down":
+            return f"layers.{layer}.experts.{expert.group(1)}.linear_fc1"
+    for gate, up, fused in _GATE_UP:
+        if suffix in (gate, up):
+            return f"layers.{layer}.{fused}"
+    return name
+
+
+def _pop_pair(tensors: dict, gate: str, up: str, index: int) -> torch.Tensor | None:
+    """``[gate; up]`` popped from ``tensors``, or None when neither is present."""
+    if gate not in tensors and up not in tensors:
+        return None
+    for have, need in ((gate, up), (up, gate)):
+        if need not in tensors:
+            raise ValueError(f"HF weights lack 'model.layers.{index}.{need}' "
+                             f"(needed with 'model.layers.{index}.{have}')")
+    return torch.cat([tensors.pop(gate), tensors.pop(up)], dim=0)
+
+
+def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict, *, partial: bool = False
+                ) -> dict[str, torch.Tensor]:
     """HF ``GlmMoeDsaForCausalLM`` weights -> full Megatron weights (local-spec names, global
-    expert numbers). MTP weights (layers >= ``num_hidden_layers``) are dropped with a warning."""
+    expert numbers). MTP weights (layers >= ``num_hidden_layers``) are dropped with a warning.
+
+    Routed experts may come stacked (``mlp.experts.gate_up_proj`` / ``down_proj``, the
+    transformers module layout) or one tensor per expert (``mlp.experts.{e}.gate_proj.weight``,
+    the layout of HF checkpoint files). ``partial=True`` converts any union of whole
+    ``hf_group`` groups (streaming) and skips the whole-model checks.
+    """
     hf = normalize_hf_config(hf)
     num_layers = hf["num_hidden_layers"]
     layers: dict[int, dict[str, torch.Tensor]] = {}
@@ -402,22 +442,32 @@ def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.
                 layers.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
         else:
             raise ValueError(f"unexpected HF weight {name!r}")
-    if dropped:
+    if dropped and not partial:
         warnings.warn(f"GLM-5: dropping {len(dropped)} MTP weights (model.layers.{num_layers}.*); "
                       "multi-token prediction is not part of the Megatron model")
     renames = dict(_LAYER_RENAMES)
     for index, tensors in sorted(layers.items()):
         prefix = f"decoder.layers.{index}."
         for gate, up, fused in _GATE_UP:
-            if gate in tensors:
-                out[prefix + fused] = torch.cat([tensors.pop(gate), tensors.pop(up)], dim=0)
+            pair = _pop_pair(tensors, gate, up, index)
+            if pair is not None:
+                out[prefix + fused] = pair
         if "mlp.experts.gate_up_proj" in tensors:
             gate_up_EFH = tensors.pop("mlp.experts.gate_up_proj")
             down_EHF = tensors.pop("mlp.experts.down_proj")
             for expert in range(gate_up_EFH.shape[0]):
                 out[prefix + _EXPERT.format(expert, 1)] = gate_up_EFH[expert]
                 out[prefix + _EXPERT.format(expert, 2)] = down_EHF[expert]
-        if hf["mlp_layer_types"][index] == "sparse" and "mlp.gate.e_score_correction_bias" not in tensors:
+        experts = sorted({int(m.group(1)) for s in tensors if (m := _HF_EXPERT.fullmatch(s))})
+        for expert in experts:
+            e = f"mlp.experts.{expert}."
+            pair = _pop_pair(tensors, e + "gate_proj.weight", e + "up_proj.weight", index)
+            if pair is not None:
+                out[prefix + _EXPERT.format(expert, 1)] = pair
+            if e + "down_proj.weight" in tensors:
+                out[prefix + _EXPERT.format(expert, 2)] = tensors.pop(e + "down_proj.weight")
+        if (not partial and hf["mlp_layer_types"][index] == "sparse"
+                and "mlp.gate.e_score_correction_bias" not in tensors):
             raise ValueError(f"HF weights lack 'model.layers.{index}.mlp.gate.e_score_correction_bias'")
         for suffix, tensor in tensors.items():
             if suffix not in renames:
@@ -426,8 +476,15 @@ def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.
     return out
 
 
-def mcore_to_hf(mcore_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
-    """Full Megatron weights (global expert numbers) -> HF weights; inverse of ``hf_to_mcore``."""
+def mcore_to_hf(mcore_state: dict[str, torch.Tensor], hf: dict, *,
+                checkpoint_layout: bool = False) -> dict[str, torch.Tensor]:
+    """Full Megatron weights (global expert numbers) -> HF weights; inverse of ``hf_to_mcore``.
+
+    By default routed experts are stacked as transformers' modules hold them (every expert of a
+    layer must be given). ``checkpoint_layout=True`` gives the names HF checkpoint files hold:
+    one ``mlp.experts.{e}.{gate,up,down}_proj.weight`` per expert and no tied ``lm_head``; it
+    works on any subset of Megatron weights (streaming).
+    """
     hf = normalize_hf_config(hf)
     renames = {mc: hf_name for hf_name, mc in _LAYER_RENAMES}
     fused = {mc: (gate, up) for gate, up, mc in _GATE_UP}
@@ -443,7 +500,15 @@ def mcore_to_hf(mcore_state: dict[str, torch.Tensor], hf: dict) -> dict[str, tor
         elif match := re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name):
             prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
             if expert := re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", suffix):
-                experts.setdefault((prefix, int(expert.group(2))), {})[int(expert.group(1))] = tensor
+                number, fc = int(expert.group(1)), int(expert.group(2))
+                if not checkpoint_layout:
+                    experts.setdefault((prefix, fc), {})[number] = tensor
+                elif fc == 1:
+                    gate, up = torch.chunk(tensor, 2, dim=0)
+                    out[prefix + f"mlp.experts.{number}.gate_proj.weight"] = gate
+                    out[prefix + f"mlp.experts.{number}.up_proj.weight"] = up
+                else:
+                    out[prefix + f"mlp.experts.{number}.down_proj.weight"] = tensor
             elif suffix in fused:
                 gate, up = torch.chunk(tensor, 2, dim=0)
                 out[prefix + fused[suffix][0]], out[prefix + fused[suffix][1]] = gate, up
@@ -459,7 +524,8 @@ def mcore_to_hf(mcore_state: dict[str, torch.Tensor], hf: dict) -> dict[str, tor
                              f"got {sorted(by_expert)[:8]}")
         stacked = torch.stack([by_expert[e] for e in range(len(by_expert))])
         out[prefix + ("mlp.experts.gate_up_proj" if fc == 1 else "mlp.experts.down_proj")] = stacked
-    if get(hf, "tie_word_embeddings", False):
+    tied = get(hf, "tie_word_embeddings", False)
+    if tied and not checkpoint_layout and "model.embed_tokens.weight" in out:
         out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
     return {k: v.contiguous() for k, v in out.items()}
 

@@ -57,7 +57,7 @@ class DuplicatedLinear(MegatronModule):
             raise ValueError(f"DuplicatedLinear supports parallel_mode='duplicated', got {parallel_mode!r}")
         if bias:
             raise ValueError("DuplicatedLinear: bias is not supported")
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()  # None: default
         self.weight = torch.nn.Parameter(
             torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
         if config.perform_initialization and init_method is not None:
@@ -305,7 +305,7 @@ class IndexerLayerNorm:
     """
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **kwargs):
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()  # None: default
         return torch.nn.LayerNorm(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
 
 

@@ -26,7 +26,7 @@ class RMSNorm(torch.nn.Module):
         self.zero_centered_gamma = zero_centered_gamma
         self.eps = eps
         init = torch.zeros if zero_centered_gamma else torch.ones
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()  # None: default
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype, device=device))
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 

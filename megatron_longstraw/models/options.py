@@ -21,6 +21,7 @@ class ModelOptions:
     fp8_recipe: str = "delayed"
     sequence_parallel: bool = False
     recompute_granularity: Optional[str] = None
+    perform_initialization: bool = True  # False: leave weights uninitialized (checkpoint layouts)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the flag for options that cannot work here."""
@@ -56,6 +57,7 @@ class ModelOptions:
             fp8=self.fp8_format,
             fp8_recipe=self.fp8_recipe if self.fp8_format else "delayed",
             use_cpu_initialization=not torch.cuda.is_available(),
+            perform_initialization=self.perform_initialization,
             hidden_dropout=0.0,
             attention_dropout=0.0,
             normalization="RMSNorm",

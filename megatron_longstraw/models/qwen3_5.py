@@ -240,8 +240,44 @@ _LAYER_RENAMES = (
 _GDN_IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
-def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
-    """HF weights (``model.`` or ``model.language_model.`` prefix) -> full Megatron weights."""
+def hf_group(name: str, hf: dict) -> str | None:
+    """Group of an HF checkpoint tensor: tensors of one group convert together (fused q/k/v,
+    GDN ``in_proj_*``, MLP gate/up); ``None`` for tensors outside the text model (vision tower,
+    MTP heads), which ``hf_to_mcore`` drops. Used to stream a checkpoint a group at a time."""
+    short = _strip_prefix(name)
+    if short is not None and short.startswith(("visual.", "mtp.")):
+        return None
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", short or "")
+    if match:
+        layer, suffix = match.groups()
+        if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            return f"layers.{layer}.mlp.linear_fc1"
+        if suffix in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+            return f"layers.{layer}.self_attention.linear_qkv"
+        if suffix in tuple(f"linear_attn.{p}.weight" for p in _GDN_IN_PROJ):
+            return f"layers.{layer}.self_attention.in_proj"
+    return name
+
+
+def _pop_group(tensors: dict, names: list[str], index: int) -> list[torch.Tensor] | None:
+    """Pop a fused group's tensors: all of them, or None when none is present."""
+    present = [n for n in names if n in tensors]
+    if not present:
+        return None
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"HF weights lack 'model.layers.{index}.{missing[0]}' "
+                         f"(needed with 'model.layers.{index}.{present[0]}')")
+    return [tensors.pop(n) for n in names]
+
+
+def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict, *, partial: bool = False
+                ) -> dict[str, torch.Tensor]:
+    """HF weights (``model.`` or ``model.language_model.`` prefix) -> full Megatron weights.
+
+    ``partial=True`` converts any union of whole ``hf_group`` groups (streaming); the mapping
+    itself is the same, Qwen3.5 has no whole-model checks.
+    """
     hf = normalize_hf_config(hf)
     layers: dict[int, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
@@ -251,7 +287,9 @@ def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.
                 out["output_layer.weight"] = tensor
             continue
         short = _strip_prefix(name)
-        if short is None or short.startswith(("visual.", "mtp.")):
+        if short is None:
+            raise ValueError(f"unexpected HF weight {name!r}")
+        if short.startswith(("visual.", "mtp.")):
             continue  # vision tower and MTP heads are not part of the text model
         if short == "embed_tokens.weight":
             out["embedding.word_embeddings.weight"] = tensor
@@ -263,15 +301,21 @@ def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.
             raise ValueError(f"unexpected HF weight {name!r}")
     renames = dict(_LAYER_RENAMES)
     for index, tensors in sorted(layers.items()):
+        if index >= hf["num_hidden_layers"]:
+            raise ValueError(f"unexpected HF weight 'model.layers.{index}.{next(iter(tensors))}' "
+                             f"(the config has {hf['num_hidden_layers']} layers)")
         prefix = f"decoder.layers.{index}."
-        mlp = (tensors.pop("mlp.gate_proj.weight"), tensors.pop("mlp.up_proj.weight"))
-        out[prefix + "mlp.linear_fc1.weight"] = torch.cat(mlp, dim=0)
+        mlp = _pop_group(tensors, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], index)
+        if mlp is not None:
+            out[prefix + "mlp.linear_fc1.weight"] = torch.cat(mlp, dim=0)
         if hf["layer_types"][index] == "full_attention":
-            out[prefix + "self_attention.linear_qkv.weight"] = _qkv_to_mcore(
-                *(tensors.pop(f"self_attn.{p}_proj.weight") for p in "qkv"), hf)
+            qkv = _pop_group(tensors, [f"self_attn.{p}_proj.weight" for p in "qkv"], index)
+            if qkv is not None:
+                out[prefix + "self_attention.linear_qkv.weight"] = _qkv_to_mcore(*qkv, hf)
         else:
-            out[prefix + "self_attention.in_proj.weight"] = torch.cat(
-                [tensors.pop(f"linear_attn.{p}.weight") for p in _GDN_IN_PROJ], dim=0)
+            in_proj = _pop_group(tensors, [f"linear_attn.{p}.weight" for p in _GDN_IN_PROJ], index)
+            if in_proj is not None:
+                out[prefix + "self_attention.in_proj.weight"] = torch.cat(in_proj, dim=0)
         for suffix, tensor in tensors.items():
             if suffix not in renames:
                 raise ValueError(f"unexpected HF weight 'model.layers.{index}.{suffix}'")
@@ -279,8 +323,13 @@ def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.
     return out
 
 
-def mcore_to_hf(mcore_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
-    """Full Megatron weights -> HF ``Qwen3_5ForCausalLM`` weights (inverse of ``hf_to_mcore``)."""
+def mcore_to_hf(mcore_state: dict[str, torch.Tensor], hf: dict, *,
+                checkpoint_layout: bool = False) -> dict[str, torch.Tensor]:
+    """Full Megatron weights -> HF ``Qwen3_5ForCausalLM`` weights (inverse of ``hf_to_mcore``).
+
+    Works on any subset of Megatron weights. ``checkpoint_layout=True`` gives the names an HF
+    checkpoint file holds: a tied ``lm_head.weight`` is left out (``save_pretrained`` drops it).
+    """
     hf = normalize_hf_config(hf)
     renames = {mc: hf_name for hf_name, mc in _LAYER_RENAMES}
     qk = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
@@ -311,7 +360,8 @@ def mcore_to_hf(mcore_state: dict[str, torch.Tensor], hf: dict) -> dict[str, tor
                 raise ValueError(f"unexpected Megatron weight {name!r}")
         else:
             raise ValueError(f"unexpected Megatron weight {name!r}")
-    if get(hf, "tie_word_embeddings", False):
+    tied = get(hf, "tie_word_embeddings", False)
+    if tied and not checkpoint_layout and "model.embed_tokens.weight" in out:
         out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
     return {k: v.contiguous() for k, v in out.items()}
 

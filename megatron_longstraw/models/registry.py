@@ -20,8 +20,9 @@ FAMILY_API = (
     "transformer_config",   # (hf, ModelOptions) -> TransformerConfig
     "block_spec",           # (TransformerConfig, backend) -> TransformerBlockSubmodules
     "gpt_model_kwargs",     # hf -> GPTModel kwargs (vocab, rope, tying)
-    "hf_to_mcore",          # (hf state dict, hf) -> full (unsharded) Megatron state dict
-    "mcore_to_hf",          # (full Megatron state dict, hf) -> HF state dict
+    "hf_group",             # (HF checkpoint tensor name, hf) -> group id (convert together) or None
+    "hf_to_mcore",          # (hf state dict, hf, partial=) -> full (unsharded) Megatron state dict
+    "mcore_to_hf",          # (full Megatron state dict, hf, checkpoint_layout=) -> HF state dict
     "tp_sections",          # (param name, TransformerConfig) -> section sizes or None
 )
 

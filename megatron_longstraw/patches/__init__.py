@@ -17,6 +17,7 @@ CPU-only (a GPU host applies none of these):
 - ``cpu_gated_delta_kernels``: GDN's fla Triton kernels -> pure-torch kernels.
 - ``cpu_no_compile``: Megatron's ``torch.compile``'d helpers run eagerly.
 - ``cpu_moe_alltoall``: the all-to-all MoE token dispatcher without CUDA streams (EP > 1).
+- ``cpu_cuda_synchronize``: ``torch.cuda.synchronize()`` a no-op (Megatron's checkpoint writer).
 """
 
 import importlib
@@ -30,6 +31,7 @@ PATCHES = (
     "cpu_gated_delta_kernels",
     "cpu_no_compile",
     "cpu_moe_alltoall",
+    "cpu_cuda_synchronize",
 )
 
 _applied: list[str] = []

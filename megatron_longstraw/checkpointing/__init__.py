@@ -1,0 +1,1 @@
+"""Checkpoints: Megatron distributed checkpoints of the project's models and HF conversion."""

@@ -1,0 +1,196 @@
+"""tools/convert_checkpoint.py: HF <-> Megatron distributed checkpoints, both families (CPU)."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_longstraw.checkpointing.model_checkpoint import load_model_checkpoint
+from megatron_longstraw.models.builder import build_model
+from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.presets import PRESETS
+from megatron_longstraw.testing.hf_reference import build_hf_model, hf_model_class
+from megatron_longstraw.testing.multiprocess import run_multiprocess
+from megatron_longstraw.testing.parity import forward_logits
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import convert_checkpoint  # noqa: E402
+
+CASES = {"qwen": ("qwen3.5-debug", {"tie_word_embeddings": True}),
+         "glm": ("glm-5-debug", {})}
+
+
+def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() \
+        else {"model.safetensors"}
+    out = {}
+    for file in files:
+        out.update(load_file(folder / file))
+    return out
+
+
+def _assert_bit_identical(original: Path, converted: Path) -> None:
+    a, b = _hf_tensors(original), _hf_tensors(converted)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def converted(request, tmp_path_factory):
+    """(hf config, HF model, HF folder, Megatron folder) for each family."""
+    preset, overrides = CASES[request.param]
+    hf = dict(copy.deepcopy(PRESETS[preset]), **overrides)
+    hf_model = build_hf_model(hf, seed=3)
+    root = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(root / "hf", max_shard_size="200KB")
+    assert len(list((root / "hf").glob("*.safetensors"))) > 1
+    assert convert_checkpoint.main(["hf-to-mcore", "--load", str(root / "hf"),
+                                    "--save", str(root / "mcore"), "--no-progress"]) == 0
+    return hf, hf_model, root
+
+
+def test_hf_to_mcore_logits_match_hf(single_process, converted):
+    hf, hf_model, root = converted
+    model = build_model(hf, ModelOptions(), parallel_output=False)
+    load_model_checkpoint(model, root / "mcore")
+    tokens = torch.randint(0, hf["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        actual = forward_logits(model.eval(), tokens)
+    assert (actual - expected).abs().max().item() <= 1e-4
+    assert expected.abs().max().item() > 1e-2
+
+
+def test_mcore_to_hf_is_bit_identical_and_loads(converted):
+    hf, hf_model, root = converted
+    out = root / "back"
+    assert convert_checkpoint.main(["mcore-to-hf", "--load", str(root / "mcore"), "--save", str(out),
+                                    "--max-shard-size", "300KB", "--no-progress"]) == 0
+    _assert_bit_identical(root / "hf", out)
+    model_cls, _ = hf_model_class(hf["model_type"])
+    loaded = model_cls.from_pretrained(out, torch_dtype=torch.float32).eval()
+    for name, tensor in hf_model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def _tp2_load_and_save(hf, load_dir, save_dir):
+    from megatron_longstraw.checkpointing.model_checkpoint import save_model_checkpoint
+    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+
+    init_distributed(ParallelSizes(tensor=2))
+    model = build_model(hf, ModelOptions(sequence_parallel=True))
+    load_model_checkpoint(model, load_dir)
+    save_model_checkpoint(model, save_dir)
+    return True
+
+
+def test_tp2_checkpoint_reads_back_under_tp1(converted):
+    """Load the converted checkpoint under TP=2 (gloo), save it there, convert it back at TP=1."""
+    hf, _, root = converted
+    saved = root / "tp2"
+    assert run_multiprocess(_tp2_load_and_save, 2, hf, root / "mcore", saved) == [True, True]
+    (root / "run").mkdir()  # a Megatron save directory around the TP=2 checkpoint
+    saved.rename(root / "run" / "iter_0000007")
+    (root / "run" / "latest_checkpointed_iteration.txt").write_text("7")
+    assert convert_checkpoint.main(["mcore-to-hf", "--load", str(root / "run"),
+                                    "--save", str(root / "back_tp2"), "--no-progress"]) == 0
+    _assert_bit_identical(root / "hf", root / "back_tp2")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()  # not this process's process-group settings
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), *args,
+                           "--no-progress"], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(env, PYTHONWARNINGS="ignore"))
+
+
+def _copy_hf(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for file in src.iterdir():
+        (dst / file.name).write_bytes(file.read_bytes())
+    return dst
+
+
+def _edit_index(folder: Path, fn) -> None:
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    fn(data["weight_map"])
+    index.write_text(json.dumps(data))
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _missing_shard(folder):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = index["model.layers.1.input_layernorm.weight"]
+    (folder / shard).unlink()
+    return shard
+
+
+def _missing_index_entry(folder):
+    _edit_index(folder, lambda m: m.pop("model.layers.1.input_layernorm.weight"))
+    return "model.layers.1.input_layernorm.weight"
+
+
+def _unknown_model_type(folder):
+    _edit_config(folder, model_type="llama_xyz")
+    return "llama_xyz"
+
+
+def _shape_mismatch(folder):
+    _edit_config(folder, intermediate_size=96)
+    return "mlp"
+
+
+def _extra_tensor(folder):
+    save_file({"model.layers.0.mlp.extra.weight": torch.zeros(2)}, folder / "extra.safetensors",
+              metadata={"format": "pt"})
+    _edit_index(folder, lambda m: m.update({"model.layers.0.mlp.extra.weight": "extra.safetensors"}))
+    return "model.layers.0.mlp.extra.weight"
+
+
+@pytest.mark.parametrize("breaker", [_missing_shard, _missing_index_entry, _unknown_model_type,
+                                     _shape_mismatch, _extra_tensor])
+def test_bad_input_one_line_error_and_nothing_left(converted, tmp_path, breaker):
+    hf, _, root = converted
+    if breaker is _shape_mismatch and hf["model_type"] != "qwen3_5_text":
+        pytest.skip("one family suffices")
+    broken = _copy_hf(root / "hf", tmp_path / "broken")
+    named = breaker(broken)
+    result = _cli("hf-to-mcore", "--load", str(broken), "--save", str(tmp_path / "out"))
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 1 and named in lines[0], result.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
+
+
+def test_existing_output_needs_overwrite(converted, tmp_path):
+    _, _, root = converted
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    assert convert_checkpoint.main(["mcore-to-hf", "--load", str(root / "mcore"),
+                                    "--save", str(out), "--no-progress"]) == 2
+    assert (out / "keep").exists()
+    assert convert_checkpoint.main(["mcore-to-hf", "--load", str(root / "mcore"), "--save",
+                                    str(out), "--overwrite", "--no-progress"]) == 0
+    assert not (out / "keep").exists() and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
