@@ -194,3 +194,32 @@ def test_existing_output_needs_overwrite(converted, tmp_path):
     assert not (out / "keep").exists() and (out / "config.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
+
+
+def _load_under_layout(hf, load_dir, hf_state, sizes):
+    """This rank's weights loaded from the checkpoint vs mapped directly from the HF weights."""
+    from megatron_longstraw.distributed import init_distributed
+    from megatron_longstraw.models.builder import load_full_state_dict
+    from megatron_longstraw.models.registry import family_for
+
+    init_distributed(sizes)
+    options = ModelOptions(sequence_parallel=sizes.tensor > 1)
+    from_checkpoint, from_hf = build_model(hf, options), build_model(hf, options)
+    load_model_checkpoint(from_checkpoint, load_dir)
+    load_full_state_dict(from_hf, family_for(hf["model_type"]).hf_to_mcore(hf_state, hf))
+    expected = {k: v for k, v in from_hf.state_dict().items() if not k.endswith("_extra_state")}
+    actual = {k: v for k, v in from_checkpoint.state_dict().items() if not k.endswith("_extra_state")}
+    assert sorted(actual) == sorted(expected)
+    return [name for name in expected if not torch.equal(actual[name], expected[name])]
+
+
+def test_converted_checkpoint_loads_under_expert_parallelism(converted):
+    """GLM-5: EP=2 ranks each load their own experts (and the router bias) exactly."""
+    from megatron_longstraw.distributed import ParallelSizes
+
+    hf, hf_model, root = converted
+    if hf["model_type"] != "glm_moe_dsa":
+        pytest.skip("experts exist in the GLM-5 family only")
+    mismatched = run_multiprocess(_load_under_layout, 2, hf, root / "mcore", hf_model.state_dict(),
+                                  ParallelSizes(expert=2))
+    assert mismatched == [[], []]
