@@ -97,3 +97,15 @@ def test_torch_causal_conv1d_matches_padded_conv_and_chains_state():
     second, _ = gated_delta_torch.causal_conv1d(x[:, 5:], weight, activation="silu",
                                                 initial_state=state)
     assert torch.allclose(torch.cat([first, second], 1), expected, atol=1e-6)
+
+
+def test_tensor_cuda_patch_keeps_tensors_on_cpu():
+    patches.apply_patches()
+    patches._module("cpu_tensor_cuda").revert()
+    try:
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.ones(1).cuda()
+    finally:
+        patches._module("cpu_tensor_cuda").apply()
+    t = torch.ones(1)
+    assert t.cuda() is t

@@ -55,7 +55,7 @@ from megatron.core.models.gpt.experimental_attention_variant_module_specs import
     _validate_dsa_index_share_pipeline_split,
 )
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.transformer.enums import AttnMaskType, LayerType
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
     AbsorbedMLASelfAttentionSubmodules,
 )
@@ -66,16 +66,9 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 )
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-from megatron.core.transformer.transformer_layer import (
-    TransformerLayer,
-    TransformerLayerSubmodules,
-    get_transformer_layer_offset,
-)
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_longstraw.models.glm5_layers import (
     DuplicatedLinear,
@@ -89,6 +82,7 @@ from megatron_longstraw.models.glm5_layers import (
 from megatron_longstraw.models.hf_config import get, require, rope_parameters
 from megatron_longstraw.models.norms import RMSNorm
 from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.pipeline_stage import local_layer_ids
 
 MODEL_TYPES = ("glm_moe_dsa",)
 FAMILY = "GLM-5"
@@ -325,13 +319,7 @@ def block_spec(config: TransformerConfig, backend, vp_stage=None, pp_rank=None) 
         ))
         for is_moe in config.moe_layer_freq
     ]
-    if config.pipeline_model_parallel_layout is not None:
-        local_ids = config.pipeline_model_parallel_layout.get_layer_id_list(
-            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
-    else:
-        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        local_ids = range(offset, offset + count)
+    local_ids = local_layer_ids(config, vp_stage, pp_rank)
     _validate_dsa_index_share_pipeline_split(config, local_ids)
     return TransformerBlockSubmodules(layer_specs=[layers[i] for i in local_ids], layer_norm=norm)
 

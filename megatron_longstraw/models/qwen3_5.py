@@ -34,6 +34,7 @@ from megatron_longstraw.models.gated_delta_net import LongStrawGatedDeltaNet
 from megatron_longstraw.models.hf_config import get, require, rope_parameters
 from megatron_longstraw.models.norms import PlainTENorm, RMSNorm
 from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.pipeline_stage import local_layer_ids
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 FAMILY = "Qwen3.5"
@@ -147,8 +148,8 @@ def _gated_delta_net_spec(backend) -> tuple[ModuleSpec, bool]:
     return spec, fused
 
 
-def block_spec(config: TransformerConfig, backend) -> TransformerBlockSubmodules:
-    """Per-layer specs following ``linear_attention_freq`` (1 = Gated DeltaNet)."""
+def block_spec(config: TransformerConfig, backend, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
+    """This pipeline stage's layer specs following ``linear_attention_freq`` (1 = Gated DeltaNet)."""
     fused = backend.fuse_layernorm_and_linear()
     mlp = partial(
         MLP.as_mlp_submodule,
@@ -171,7 +172,8 @@ def block_spec(config: TransformerConfig, backend) -> TransformerBlockSubmodules
                 mlp_bda=get_bias_dropout_add,
             ),
         ))
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=_norm(backend))
+    return TransformerBlockSubmodules(layer_specs=[layers[i] for i in local_layer_ids(config, vp_stage, pp_rank)],
+                                      layer_norm=_norm(backend))
 
 
 def gpt_model_kwargs(hf: dict) -> dict:

@@ -18,6 +18,7 @@ CPU-only (a GPU host applies none of these):
 - ``cpu_no_compile``: Megatron's ``torch.compile``'d helpers run eagerly.
 - ``cpu_moe_alltoall``: the all-to-all MoE token dispatcher without CUDA streams (EP > 1).
 - ``cpu_cuda_synchronize``: ``torch.cuda.synchronize()`` a no-op (Megatron's checkpoint writer).
+- ``cpu_tensor_cuda``: ``Tensor.cuda()`` the identity (tied embeddings across pipeline stages).
 """
 
 import importlib
@@ -32,6 +33,7 @@ PATCHES = (
     "cpu_no_compile",
     "cpu_moe_alltoall",
     "cpu_cuda_synchronize",
+    "cpu_tensor_cuda",
 )
 
 _applied: list[str] = []
