@@ -1,22 +1,25 @@
-"""GPU path of ``prefix_causal_attention``: two fused-attention calls merged by log-sum-exp.
+"""GPU path of ``prefix_causal_attention``: fused-attention calls merged by log-sum-exp.
 
-Part 1: every new query over the prefix (the prompt state), no mask. All query heads of a KV
-group and all samples of the micro-batch share the same prefix keys, so they are folded into the
-query length (``[1, groups, samples * heads_per_group * s, d]``): no copy or head expansion of
-the prompt pages. Part 2: the new tokens over themselves, causal (small). The outputs merge
-exactly with their log-sum-exps. Backward runs each part's fused backward with the *merged*
-output and log-sum-exp, which yields exactly the gradient of one softmax over both parts; the
-prefix keys/values get no gradient (their part's dK/dV are discarded).
+Part 1: every new query over the prefix (the prompt state), no mask, in blocks of at most
+``LONGSTRAW_PREFIX_BLOCK`` keys (default 262,144). All query heads of a KV group and all samples
+of the micro-batch share the same prefix keys, so they are folded into the query length
+(``[1, groups, samples * heads_per_group * s, d]``): no copy or head expansion of the prompt
+pages. Part 2: the new tokens over themselves, causal (small). Outputs merge exactly with their
+log-sum-exps. Backward runs each part's fused backward with the *merged* output and log-sum-exp,
+which yields exactly the gradient of one softmax over all parts; the prefix keys/values get no
+gradient (their parts' dK/dV are discarded, and blocking bounds those transients).
 
 Kernels: cuDNN SDPA (fastest on Hopper at head dim 128/256) or flash SDPA, both from torch and
-both returning the log-sum-exp; ``LONGSTRAW_ATTENTION_BACKEND=flash|cudnn`` forces one.
+both returning the log-sum-exp; ``LONGSTRAW_ATTENTION_BACKEND=cudnn|flash`` chooses.
+``emulated`` runs the same kernel interface in plain torch, so the folding, blocking and merge
+logic is tested on a CPU (``tests/test_prefix_attention.py``).
 """
 
 import os
 
 import torch
 
-_BACKENDS = ("cudnn", "flash")
+_BACKENDS = ("cudnn", "flash", "emulated")
 
 
 def _backend() -> str:
@@ -26,8 +29,28 @@ def _backend() -> str:
     return choice
 
 
+def _prefix_block() -> int:
+    block = int(os.environ.get("LONGSTRAW_PREFIX_BLOCK", 262_144))
+    if block < 1:
+        raise ValueError(f"LONGSTRAW_PREFIX_BLOCK must be >= 1, got {block}")
+    return block
+
+
+def _emulated_scores(q, k, causal, scale):
+    compute = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
 def _forward(backend, q, k, v, causal, scale):
     """(out_BHSD, lse_BHS, aux) with the kernel's bookkeeping for its backward."""
+    if backend == "emulated":
+        scores = _emulated_scores(q, k, causal, scale)
+        lse = scores.logsumexp(-1)
+        return ((scores - lse[..., None]).exp() @ v.to(scores.dtype)).to(q.dtype), lse, None
     if backend == "cudnn":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale)
@@ -38,6 +61,16 @@ def _forward(backend, q, k, v, causal, scale):
 
 
 def _backward(backend, grad, q, k, v, out, lse, aux, causal, scale):
+    """(dq, dk, dv) of one part, given the merged output and log-sum-exp."""
+    if backend == "emulated":
+        scores = _emulated_scores(q, k, causal, scale)
+        probs = (scores - lse[..., None]).exp()
+        grad, v_, q_, k_ = (t.to(scores.dtype) for t in (grad, v, q, k))
+        dprobs = grad @ v_.transpose(-1, -2)
+        delta = (grad * out.to(scores.dtype)).sum(-1, keepdim=True)
+        dscores = probs * (dprobs - delta)
+        return ((dscores @ k_) * scale).to(q.dtype), ((dscores.transpose(-1, -2) @ q_) * scale).to(k.dtype), \
+            (probs.transpose(-1, -2) @ grad).to(v.dtype)
     cum_q, cum_k, max_q, max_k, seed, offset = aux
     if backend == "cudnn":
         lse = lse.reshape(*lse.shape, 1) if lse.dim() == 3 else lse
@@ -59,39 +92,49 @@ def _unfold(x_1GND, shape_BHSD):
     return x_1GND.reshape(groups, b, h // groups, s, -1).transpose(0, 1).reshape(b, h, s, -1)
 
 
+def _blocks(pk_1GPD, block):
+    return [(start, min(start + block, pk_1GPD.shape[2])) for start in range(0, pk_1GPD.shape[2], block)]
+
+
 class _PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, scale):
-        backend = _backend()
-        out2, lse2, aux2 = _forward(backend, q_BHSD, k_BHSD, v_BHSD, True, scale)
-        if pk_1GPD is None:
-            out, lse, aux1, q1 = out2, lse2, None, None
-        else:
+        backend, block = _backend(), _prefix_block()
+        out, lse, aux_new = _forward(backend, q_BHSD, k_BHSD, v_BHSD, True, scale)
+        q1, aux_prefix = None, []
+        if pk_1GPD is not None:
             groups = pk_1GPD.shape[1]
             q1 = _fold(q_BHSD, groups)
-            out1, lse1, aux1 = _forward(backend, q1, pk_1GPD, pv_1GPD, False, scale)
-            out1 = _unfold(out1, q_BHSD.shape)
-            lse1 = _unfold(lse1.unsqueeze(-1), q_BHSD.shape).squeeze(-1)
-            lse = torch.logaddexp(lse1, lse2)
-            out = (out1.float() * (lse1 - lse).exp().unsqueeze(-1)
-                   + out2.float() * (lse2 - lse).exp().unsqueeze(-1)).to(q_BHSD.dtype)
+            acc = out.to(torch.promote_types(out.dtype, torch.float32))
+            for start, end in _blocks(pk_1GPD, block):
+                out_b, lse_b, aux = _forward(backend, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end],
+                                             False, scale)
+                aux_prefix.append(aux)
+                out_b = _unfold(out_b, q_BHSD.shape)
+                lse_b = _unfold(lse_b.unsqueeze(-1), q_BHSD.shape).squeeze(-1)
+                merged = torch.logaddexp(lse, lse_b)
+                acc = acc * (lse - merged).exp().unsqueeze(-1) + out_b.to(acc.dtype) * (lse_b - merged).exp().unsqueeze(-1)
+                lse = merged
+            out = acc.to(q_BHSD.dtype)
         ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, out, lse, q1)
-        ctx.aux = (aux1, aux2)
-        ctx.scale, ctx.backend = scale, backend
+        ctx.aux = (aux_new, aux_prefix)
+        ctx.scale, ctx.backend, ctx.block = scale, backend, block
         return out
 
     @staticmethod
     def backward(ctx, grad_BHSD):
         q, k, v, pk, pv, out, lse, q1 = ctx.saved_tensors
-        aux1, aux2 = ctx.aux
+        aux_new, aux_prefix = ctx.aux
         grad_BHSD = grad_BHSD.contiguous()
-        dq, dk, dv = _backward(ctx.backend, grad_BHSD, q, k, v, out, lse, aux2, True, ctx.scale)[:3]
+        dq, dk, dv = _backward(ctx.backend, grad_BHSD, q, k, v, out, lse, aux_new, True, ctx.scale)[:3]
         if pk is not None:
             groups = pk.shape[1]
-            dq1 = _backward(ctx.backend, _fold(grad_BHSD, groups), q1, pk, pv, _fold(out, groups),
-                            _fold(lse.unsqueeze(-1), groups).squeeze(-1).contiguous(), aux1,
-                            False, ctx.scale)[0]
-            dq = dq + _unfold(dq1, q.shape)
+            grad1, out1 = _fold(grad_BHSD, groups), _fold(out, groups)
+            lse1 = _fold(lse.unsqueeze(-1), groups).squeeze(-1).contiguous()
+            for (start, end), aux in zip(_blocks(pk, ctx.block), aux_prefix):
+                dq1 = _backward(ctx.backend, grad1, q1, pk[:, :, start:end], pv[:, :, start:end], out1, lse1,
+                                aux, False, ctx.scale)[0]
+                dq = dq + _unfold(dq1, q.shape)
         return dq, dk, dv, None, None, None
 
 

@@ -21,9 +21,11 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
-@pytest.mark.parametrize("dim,batch,prefix", [(256, 1, 300), (128, 3, 517), (256, 2, 0)])
-def test_fused_prefix_attention_matches_math(monkeypatch, backend, dim, batch, prefix, record_property):
+@pytest.mark.parametrize("dim,batch,prefix,block", [(256, 1, 300, 262144), (128, 3, 517, 262144),
+                                                    (256, 2, 0, 262144), (256, 2, 517, 128)])
+def test_fused_prefix_attention_matches_math(monkeypatch, backend, dim, batch, prefix, block, record_property):
     monkeypatch.setenv("LONGSTRAW_ATTENTION_BACKEND", backend)
+    monkeypatch.setenv("LONGSTRAW_PREFIX_BLOCK", str(block))
     gen = torch.Generator(device="cuda").manual_seed(0)
     seq, heads, groups = 70, 8, 2
     q = torch.randn(seq, batch, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16, requires_grad=True)
