@@ -45,12 +45,13 @@ def _chunk_logprobs(model, hidden_SBH, targets_SB):
 
 
 def response_logprobs(model, hidden_SBH: torch.Tensor, targets_SB: torch.Tensor,
-                      chunk_tokens: int = 2048) -> torch.Tensor:
+                      chunk_tokens: int = 512) -> torch.Tensor:
     """``log p(target)`` ``[s, b]`` from final hidden states, ``chunk_tokens`` positions at a time.
 
     With autograd, each chunk's logits are recomputed in backward (activation checkpoint), so a
     response keeps only its hidden states, not ``s x vocab`` logits and softmax (8K tokens of a
-    248K vocabulary would be ~12 GB).
+    248K vocabulary would be ~12 GB). A 512-token chunk's transient logits, fp32 copy and
+    softmax gradient at a 248K vocabulary are ~1.5 GB.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
