@@ -95,7 +95,7 @@ def _loss_fn(total_tokens):
     return lambda logprobs_RB, mask_RB, indices: -(logprobs_RB * mask_RB).sum() / total_tokens
 
 
-def run_point(model, hf, mode, prompt_length, group, args):
+def run_point(model, optimizer, hf, mode, prompt_length, group, args):
     """One (mode, prompt length, G) point; returns a result dict (``oom`` on out of memory)."""
     gen = torch.Generator(device=device()).manual_seed(prompt_length + group)
     prompt = torch.randint(0, hf["vocab_size"], (1, prompt_length), device=device(), generator=gen)
@@ -138,7 +138,7 @@ def run_point(model, hf, mode, prompt_length, group, args):
                 replay_times.append(time.perf_counter() - t0)
             result["per_sample_s"] = replay_times
         t0 = time.perf_counter()
-        model.optimizer.step()
+        optimizer.step()
         _sync()
         result["optimizer_s"] = time.perf_counter() - t0
         result["step_s"] = time.perf_counter() - start
@@ -230,14 +230,14 @@ def main(argv=None):
         for mode in args.modes:
             model = build_model(hf, ModelOptions(params_dtype=dtype,
                                                  recompute_granularity="full" if mode == "full" else None))
-            model.optimizer = _optimizer(model)
+            optimizer = _optimizer(model)
             for length in (args.prompt_lengths if mode == "longstraw" else args.full_prompt_lengths):
                 for group in (args.group_sizes if mode == "longstraw" else [1]):
-                    result = run_point(model, hf, mode, length, group, args)
+                    result = run_point(model, optimizer, hf, mode, length, group, args)
                     print(json.dumps(result), flush=True)
                     results.append(result)
                     write_outputs(results, args, command, quiet=True)  # partial results survive a kill
-            del model
+            del model, optimizer
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     finally:
         destroy_distributed()
