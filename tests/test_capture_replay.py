@@ -50,9 +50,14 @@ def _grads(model):
     return grads
 
 
-@pytest.mark.parametrize("preset", ["qwen3.5-debug", "glm-5-debug"])
-def test_replay_gradients_equal_stop_gradient_full_graph(single_process, preset):
-    """fp64: some random-model gradients are too small for fp32 to resolve 1e-5 (see parity.py)."""
+@pytest.mark.parametrize("preset,attention", [("qwen3.5-debug", "math"), ("glm-5-debug", "math"),
+                                              ("qwen3.5-debug", "emulated")])
+def test_replay_gradients_equal_stop_gradient_full_graph(single_process, monkeypatch, preset, attention):
+    """fp64: some random-model gradients are too small for fp32 to resolve 1e-5 (see parity.py).
+    ``emulated``: the GPU path's fold/block/merge orchestration (kernels emulated), 5-key blocks."""
+    if attention == "emulated":
+        monkeypatch.setenv("LONGSTRAW_ATTENTION_BACKEND", "emulated")
+        monkeypatch.setenv("LONGSTRAW_PREFIX_BLOCK", "5")
     hf, model = _model(preset, torch.float64)
     prompt = _tokens(hf, PROMPT, 3)
     responses = [_tokens(hf, n, 10 + n)[0] for n in (RESPONSE, 7, 11)]
@@ -70,8 +75,13 @@ def test_replay_gradients_equal_stop_gradient_full_graph(single_process, preset)
         assert ref.abs().max() > 0, f"{name}: zero reference gradient"
 
 
-@pytest.mark.parametrize("preset", ["qwen3.5-debug", "glm-5-debug"])
-def test_one_by_one_equals_one_micro_batch(single_process, preset):
+@pytest.mark.parametrize("preset,attention", [("qwen3.5-debug", "math"), ("glm-5-debug", "math"),
+                                              ("qwen3.5-debug", "emulated")])
+def test_one_by_one_equals_one_micro_batch(single_process, monkeypatch, preset, attention):
+    """``emulated``: the GPU path, whose prefix part folds the micro-batch's samples together."""
+    if attention == "emulated":
+        monkeypatch.setenv("LONGSTRAW_ATTENTION_BACKEND", "emulated")
+        monkeypatch.setenv("LONGSTRAW_PREFIX_BLOCK", "5")
     hf, model = _model(preset, torch.float64)
     prompt = _tokens(hf, PROMPT, 4)
     responses = [_tokens(hf, n, 20 + n)[0] for n in (9, 13, 5, 13)]

@@ -7,6 +7,7 @@ log-sum-exp, merges them exactly, and in backward hands each part the merged out
 gradients equal one global softmax (``prefix_attention_cuda.py``).
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -47,9 +48,10 @@ def prefix_causal_attention(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, prefix_v
     """New-token queries ``[s, b, h, d]`` over prefix keys (all visible) and new keys (causal).
 
     ``prefix_k/v`` are ``[p, b or 1, groups, d]`` and carry no gradient; gradients flow to the
-    new queries, keys and values. Returns ``[s, b, h, d_v]``.
+    new queries, keys and values. Returns ``[s, b, h, d_v]``. On a GPU, or anywhere with
+    ``LONGSTRAW_ATTENTION_BACKEND=emulated`` (tests), the fused path runs.
     """
-    if q_SBHD.is_cuda:
+    if q_SBHD.is_cuda or os.environ.get("LONGSTRAW_ATTENTION_BACKEND") == "emulated":
         from megatron_longstraw.attention.prefix_attention_cuda import prefix_causal_attention_cuda
 
         return prefix_causal_attention_cuda(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD, prefix_v_SBGD, scale)
