@@ -38,7 +38,7 @@ def test_saved_tensor_meter_counts_saved_storage_once_and_skips_excluded():
 def test_bench_tool_end_to_end(tmp_path):
     cmd = [sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "qwen3.5-debug",
            "--prompt-lengths", "96", "--group-sizes", "1,3", "--response-length", "16",
-           "--prompt-chunk-size", "32", "--output-dir", str(tmp_path)]
+           "--prompt-chunk-size", "32", "--warmup-prompt-length", "40", "--output-dir", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     data = json.loads((tmp_path / "bench_qwen3.5-debug.json").read_text())
     assert "tools/bench_longstraw.py" in data["command"]

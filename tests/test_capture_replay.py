@@ -221,3 +221,19 @@ def test_chunked_response_logprobs_equal_unchunked(single_process):
         results.append((lp, *grads))
     for a, b in zip(*results):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_token_logprobs_leaves_the_logits_alone(single_process, dtype):
+    """Megatron's cross entropy works in place; the caller's logits (in fp32 often a custom
+    Function's view, which autograd refuses to see modified) must stay as they were."""
+    from megatron_longstraw.longstraw.model_steps import token_logprobs
+
+    logits = torch.randn(5, 2, 17, generator=torch.Generator().manual_seed(0)).to(dtype)
+    targets = torch.randint(0, 17, (5, 2), generator=torch.Generator().manual_seed(1))
+    before = logits.clone()
+    logprobs = token_logprobs(logits, targets)
+    assert torch.equal(logits, before)
+    assert logprobs.dtype == torch.float32
+    expected = torch.log_softmax(before.double(), -1).gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(logprobs.double(), expected, atol=1e-6), (logprobs - expected).abs().max()

@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--replay-micro-batch-size", type=int, default=1)
     p.add_argument("--full-max-group", type=int, default=1,
                    help="full mode replays at most this many responses (its time is per sample)")
+    p.add_argument("--warmup-prompt-length", type=int, default=65536,
+                   help="an unrecorded point per mode first, so kernel compilation and autotuning "
+                        "(minutes on a fresh host) count in no measured point; 0 skips it")
     p.add_argument("--max-position-embeddings", type=int, default=None,
                    help="override the preset's position budget (RoPE extrapolation, as Megatron's flag)")
     p.add_argument("--output-dir", default="docs/bench")
@@ -231,6 +234,9 @@ def main(argv=None):
             model = build_model(hf, ModelOptions(params_dtype=dtype,
                                                  recompute_granularity="full" if mode == "full" else None))
             optimizer = _optimizer(model)
+            if args.warmup_prompt_length:
+                warm = run_point(model, optimizer, hf, mode, args.warmup_prompt_length, 1, args)
+                print(json.dumps(dict(warmup=True, **warm)), flush=True)
             for length in (args.prompt_lengths if mode == "longstraw" else args.full_prompt_lengths):
                 for group in (args.group_sizes if mode == "longstraw" else [1]):
                     result = run_point(model, optimizer, hf, mode, length, group, args)

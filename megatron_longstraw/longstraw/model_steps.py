@@ -34,9 +34,11 @@ def output_logits(model, hidden_SBH: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(logits_SBV: torch.Tensor, targets_SB: torch.Tensor) -> torch.Tensor:
-    """``log p(target)`` per position, ``[s, b]`` in fp32 (fp64 for fp64 logits), over the
-    TP-sharded vocabulary."""
-    logits_SBV = logits_SBV.to(torch.promote_types(logits_SBV.dtype, torch.float32))
+    """``log p(target)`` per position, ``[s, b]`` in fp32 (Megatron's cross entropy computes in
+    fp32 whatever the input), over the TP-sharded vocabulary."""
+    # Megatron's cross entropy subtracts the max in place: hand it a copy, never the caller's
+    # logits (for fp32 logits its ``.float()`` is the tensor itself, often a custom Function's view).
+    logits_SBV = logits_SBV.to(torch.float32, copy=True)
     return -tensor_parallel.vocab_parallel_cross_entropy(logits_SBV, targets_SB.contiguous())
 
 

@@ -10,6 +10,7 @@ from megatron_longstraw.longstraw.full_graph import full_graph_responses
 from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
+from megatron_longstraw.patches import cpu_gated_delta_kernels as torch_gdn_kernels
 from megatron_longstraw.testing.hf_reference import build_hf_model
 from megatron_longstraw.testing.parity import forward_logits, megatron_from_hf
 
@@ -44,34 +45,102 @@ def test_fused_prefix_attention_matches_math(monkeypatch, backend, dim, batch, p
     assert max(errors) < 2e-2, errors
 
 
-def _cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.flatten().float(), b.flatten().float(), dim=0).item()
+def _rel_norm(a, b):
+    """||a - b|| / ||b|| over the whole tensor (robust where single entries cancel)."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def test_fla_gated_delta_from_detached_state_matches_recurrence(single_process, record_property):
+    """fla's chunked kernel started from a detached state (what replay does): output and the
+    gradients of q, k, v, g, beta against the slow fp64 token-by-token recurrence."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from megatron_longstraw.ops.gated_delta_torch import recurrent_gated_delta_rule
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batch, prefix, seq, heads, dim = 2, 100, 200, 4, 128  # neither length a multiple of fla's 64
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float64)  # noqa: E731
+    norm = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    q, k = norm(rand(batch, prefix + seq, heads, dim)), norm(rand(batch, prefix + seq, heads, dim))
+    v = rand(batch, prefix + seq, heads, dim)
+    g = -torch.nn.functional.softplus(rand(batch, prefix + seq, heads)) * 0.3
+    beta = torch.sigmoid(rand(batch, prefix + seq, heads))
+    _, state = recurrent_gated_delta_rule(*(t[:, :prefix] for t in (q, k, v, g, beta)), output_final_state=True)
+    inputs64 = [t[:, prefix:].clone().requires_grad_() for t in (q, k, v, g, beta)]
+    grad_out = rand(batch, seq, heads, dim)
+    out64, _ = recurrent_gated_delta_rule(*inputs64, initial_state=state)
+    grads64 = torch.autograd.grad(out64, inputs64, grad_out)
+    # bf16 inputs and fp32 gates/state, as the model calls it (a dropped term would be O(1))
+    inputs = [t.detach().to(torch.float32 if t.dim() == 3 else torch.bfloat16).requires_grad_()
+              for t in inputs64]
+    out, _ = chunk_gated_delta_rule(*inputs, initial_state=state.float(), output_final_state=False)
+    grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+    errors = [_rel_norm(a, b) for a, b in zip((out, *grads), (out64, *grads64))]
+    record_property("rel_err_out_dq_dk_dv_dg_dbeta", ",".join(f"{e:.1e}" for e in errors))
+    assert max(errors) < 2e-2, errors
 
 
 def test_capture_replay_bf16_matches_full_graph(single_process, record_property):
-    """qwen3.5-debug on fla + fused attention: logits and gradients against the full graph."""
+    """qwen3.5-debug on fla + fused attention, bf16: logits and gradients of capture/replay and of
+    the full graph, each against the fp32 full graph of the same (bf16-rounded) weights computed
+    with the pure-torch GDN kernels (independent of fla). Replay must be as close to that truth
+    as the bf16 full graph is (per parameter, with a margin)."""
     hf = resolve_hf_config("qwen3.5-debug")
-    model = megatron_from_hf(hf, build_hf_model(hf, seed=0).to("cuda", torch.bfloat16),
-                             ModelOptions(params_dtype=torch.bfloat16))
+    hf_model = build_hf_model(hf, seed=0).to("cuda", torch.bfloat16)
+    model = megatron_from_hf(hf, hf_model, ModelOptions(params_dtype=torch.bfloat16))
+    model32 = megatron_from_hf(hf, hf_model.float(), ModelOptions(params_dtype=torch.float32))
     gen = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(0, hf["vocab_size"], (1, 1000), device="cuda", generator=gen)
     responses = [torch.randint(0, hf["vocab_size"], (n,), device="cuda", generator=gen) for n in (200, 131)]
-    with torch.no_grad():
-        full = forward_logits(model, torch.cat([prompt, responses[0][None]], 1))[0, 999:-1].float()
-        state = capture_prompt(model, prompt, 256)
-        replayed = replay_logits(model, state, responses[0][None])[:, 0].float()
-    logit_err = (replayed - full).abs().max().item() / full.abs().max().item()
+    sequence = torch.cat([prompt, responses[0][None]], 1)
 
     def loss_fn(logprobs_RB, mask_RB, indices):
         return -(logprobs_RB * mask_RB).sum() / 331
 
+    def grads(m):
+        out = {n: p.grad.float().clone() for n, p in m.named_parameters()}
+        m.zero_grad(set_to_none=True)
+        return out
+
+    switch = not torch_gdn_kernels.needed()  # on the GPU host fla is in force: switch for the truth
+    if switch:
+        torch_gdn_kernels.apply()
+    try:
+        with torch.no_grad():
+            truth = forward_logits(model32, sequence)[0, 999:-1]
+        full_graph_responses(model32, prompt, responses, loss_fn)
+        truth_grads = grads(model32)
+    finally:
+        if switch:
+            torch_gdn_kernels.revert()
+    with torch.no_grad():
+        full = forward_logits(model, sequence)[0, 999:-1].float()
+        state = capture_prompt(model, prompt, 256)
+        replayed = replay_logits(model, state, responses[0][None])[:, 0].float()
+    logit_err = _rel_norm(replayed, truth)
+    logit_err_full = _rel_norm(full, truth)
+
     full_graph_responses(model, prompt, responses, loss_fn)
-    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+    full_grads = grads(model)
     replay_responses(model, state, responses, loss_fn, micro_batch_size=2)
-    cosines = {n: _cosine(p.grad, reference[n]) for n, p in model.named_parameters()}
-    worst = min(cosines, key=cosines.get)
-    record_property("logit_rel_err", f"{logit_err:.2e}")
-    record_property("worst_grad_cosine", f"{cosines[worst]:.5f} ({worst})")
-    assert logit_err < 2e-2
-    assert cosines[worst] > 0.99
+    replay_grads = grads(model)
+    # Some gradients of the tiny random model are sums that cancel almost completely (GDN
+    # ``A_log``/``dt_bias``: fp32 and fp64 of the same graph already differ by ~6e-3 there, see the
+    # CPU tests, which check them exactly in fp64). bf16 cannot resolve those in either mode, so
+    # per parameter we compare only where the bf16 full graph is within 5% of the truth; the
+    # gradient as a whole is compared everywhere.
+    flat = lambda gs: torch.cat([gs[n].flatten() for n in truth_grads])  # noqa: E731
+    e_all_replay, e_all_full = _rel_norm(flat(replay_grads), flat(truth_grads)), _rel_norm(flat(full_grads),
+                                                                                            flat(truth_grads))
+    errors = {n: (_rel_norm(replay_grads[n], ref), _rel_norm(full_grads[n], ref)) for n, ref in truth_grads.items()}
+    resolved = {n: e for n, e in errors.items() if e[1] <= 0.05}
+    worst = max(resolved, key=lambda n: resolved[n][0] - 3 * resolved[n][1])
+    record_property("logit_rel_err_replay_full", f"{logit_err:.2e},{logit_err_full:.2e}")
+    record_property("grad_rel_err_replay_full", f"{e_all_replay:.2e},{e_all_full:.2e}")
+    record_property("per_param", f"{len(resolved)}/{len(errors)} resolved by bf16; worst {worst} "
+                    "replay {:.1e} full {:.1e}".format(*resolved[worst]))
+    assert logit_err < 2 * logit_err_full + 1e-3, (logit_err, logit_err_full)
+    assert e_all_replay < 2 * e_all_full + 1e-3, (e_all_replay, e_all_full)
+    assert len(resolved) > 0.8 * len(errors), sorted(set(errors) - set(resolved))
+    bad = {n: e for n, e in resolved.items() if e[0] > 3 * e[1] + 1e-2}
+    assert not bad, bad
