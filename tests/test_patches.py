@@ -109,3 +109,57 @@ def test_tensor_cuda_patch_keeps_tensors_on_cpu():
         patches._module("cpu_tensor_cuda").apply()
     t = torch.ones(1)
     assert t.cuda() is t
+
+
+def _megatron_adam_step(model, clip_grad):
+    from types import SimpleNamespace
+
+    from megatron_longstraw.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
+
+    args = SimpleNamespace(use_distributed_optimizer=False, lr=1e-2, min_lr=0.0, weight_decay=0.1,
+                           adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=clip_grad, bf16=False,
+                           lr_warmup_iters=0, lr_decay_iters=10, lr_decay_style="constant", train_iters=10)
+    ddp = wrap_ddp(model, args)
+    optimizer = build_optimizer(ddp, args)
+    build_scheduler(optimizer, args)  # sets each group's lr and weight decay (none on norms/biases)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    return ddp, optimizer
+
+
+def test_megatron_optimizer_on_cpu_equals_torch_adamw_with_clipping(single_process):
+    """With ``cpu_optimizer_device`` Megatron's DDP + Adam + grad clipping + scheduler run on the
+    CPU and make exactly torch's AdamW step on clipped gradients (no weight decay on 1-D
+    parameters and biases, Megatron's rule); without the patch they cannot allocate."""
+    from megatron_longstraw.models.presets import resolve_hf_config
+    from megatron_longstraw.testing.hf_reference import build_hf_model
+    from megatron_longstraw.testing.parity import forward_logits, megatron_from_hf
+
+    hf = resolve_hf_config("qwen3.5-debug")
+    model = megatron_from_hf(hf, build_hf_model(hf, seed=0))
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tokens = torch.randint(0, hf["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
+    ddp, optimizer = _megatron_adam_step(model, clip_grad=0.05)
+    forward_logits(ddp.module, tokens).pow(2).mean().backward()
+    ddp.finish_grad_sync()
+    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+    ok, grad_norm, _ = optimizer.step()
+    expected_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())).item()
+    assert ok and abs(grad_norm - expected_norm) <= 1e-5 * expected_norm
+    assert expected_norm > 0.05  # clipping is active
+    params = {n: reference[n].clone().requires_grad_() for n in reference}
+    for n, p in params.items():
+        p.grad = grads[n] * (0.05 / (expected_norm + 1e-6))
+    no_decay = [p for n, p in params.items() if p.dim() == 1 or n.endswith(".bias")]
+    decay = [p for n, p in params.items() if not (p.dim() == 1 or n.endswith(".bias"))]
+    torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                      lr=1e-2, betas=(0.9, 0.95), eps=1e-8).step()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.detach(), params[n].detach(), rtol=1e-6, atol=1e-7), n
+
+    patches._module("cpu_optimizer_device").revert()
+    try:
+        with pytest.raises((RuntimeError, AssertionError)):
+            _megatron_adam_step(model, clip_grad=1.0)
+    finally:
+        patches._module("cpu_optimizer_device").apply()

@@ -36,3 +36,17 @@ def memory_floor_bytes(n_params: int, param_bytes: int, optimizer_bytes_per_para
     return (n_params * (2 * param_bytes + optimizer_bytes_per_param)
             + prompt_state_bytes + response_activation_bytes)
 
+
+
+def qwen_response_forward_flops(hf: dict, linear_elements: int, prompt_length: int, response_tokens: int) -> float:
+    """Forward FLOPs of ``response_tokens`` tokens of one response after a Qwen3.5 prompt: linear
+    layers, attention over the prompt plus the causal response part, Gated DeltaNet, logits."""
+    r, p = float(response_tokens), float(prompt_length)
+    flops = 2.0 * linear_elements * r
+    n_attn = hf["layer_types"].count("full_attention")
+    n_gdn = hf["layer_types"].count("linear_attention")
+    flops += n_attn * 2.0 * hf["num_attention_heads"] * (2 * hf["head_dim"]) * r * (p + r / 2)
+    dk, dv = hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+    flops += n_gdn * r * hf["linear_num_value_heads"] * (6 * dk * dv + 2 * 64 * (dk + dv))
+    flops += 2.0 * hf["hidden_size"] * hf["vocab_size"] * r
+    return flops

@@ -13,7 +13,7 @@ import torch
 
 from megatron_longstraw.longstraw.binding import Mode, bind
 from megatron_longstraw.longstraw.model_steps import (
-    FinalNormInput, decode, embed, output_logits, response_logprobs)
+    FinalNormInput, decode, embed, loss_of, output_logits)
 from megatron_longstraw.longstraw.replay import LossFn, pad_responses
 
 
@@ -45,8 +45,7 @@ def full_graph_responses(model, prompt_ids_1S: torch.Tensor, responses: Sequence
         ids_BR, mask_RB = pad_responses([responses[i] for i in indices])
         # backward inside the binding: recomputed layers re-run forward with the same detaches
         with bind(model, Mode.REFERENCE, prefix_length=prompt_ids_1S.shape[1]):
-            logprobs_RB = response_logprobs(model, full_graph_hidden(model, prompt_ids_1S, ids_BR), ids_BR.t())
-            loss = loss_fn(logprobs_RB, mask_RB, indices)
+            loss = loss_of(loss_fn, model, full_graph_hidden(model, prompt_ids_1S, ids_BR), ids_BR, mask_RB, indices)
             loss.backward()
         losses.append(loss.item())
     return losses

@@ -6,7 +6,7 @@ RoPE at 0. These helpers call Megatron's own embedding, rotary table, decoder an
 """
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 
 
 def embed(model, input_ids_BS: torch.Tensor, offset: int) -> torch.Tensor:
@@ -42,13 +42,30 @@ def token_logprobs(logits_SBV: torch.Tensor, targets_SB: torch.Tensor) -> torch.
     return -tensor_parallel.vocab_parallel_cross_entropy(logits_SBV, targets_SB.contiguous())
 
 
-def _chunk_logprobs(model, hidden_SBH, targets_SB):
-    return token_logprobs(output_logits(model, hidden_SBH), targets_SB)
+def token_entropy(logits_SBV: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution per position, ``[s, b]`` in fp32, over the
+    TP-sharded vocabulary (partial sums all-reduced with gradients, as Megatron's cross entropy)."""
+    logits_SBV = logits_SBV.float()
+    max_SB1 = logits_SBV.detach().max(dim=-1, keepdim=True).values
+    torch.distributed.all_reduce(max_SB1, op=torch.distributed.ReduceOp.MAX,
+                                 group=parallel_state.get_tensor_model_parallel_group())
+    shifted_SBV = logits_SBV - max_SB1
+    exp_SBV = shifted_SBV.exp()
+    sum_exp_SB = tensor_parallel.reduce_from_tensor_model_parallel_region(exp_SBV.sum(-1))
+    weighted_SB = tensor_parallel.reduce_from_tensor_model_parallel_region((exp_SBV * shifted_SBV).sum(-1))
+    return sum_exp_SB.log() - weighted_SB / sum_exp_SB
+
+
+def _chunk_logprobs(model, hidden_SBH, targets_SB, with_entropy=False):
+    logits_SBV = output_logits(model, hidden_SBH)
+    logprobs_SB = token_logprobs(logits_SBV, targets_SB)
+    return (logprobs_SB, token_entropy(logits_SBV)) if with_entropy else logprobs_SB
 
 
 def response_logprobs(model, hidden_SBH: torch.Tensor, targets_SB: torch.Tensor,
-                      chunk_tokens: int = 512) -> torch.Tensor:
-    """``log p(target)`` ``[s, b]`` from final hidden states, ``chunk_tokens`` positions at a time.
+                      chunk_tokens: int = 512, with_entropy: bool = False):
+    """``log p(target)`` ``[s, b]`` from final hidden states, ``chunk_tokens`` positions at a time
+    (with ``with_entropy``: also the entropy ``[s, b]`` of each position's distribution).
 
     With autograd, each chunk's logits are recomputed in backward (activation checkpoint), so a
     response keeps only its hidden states, not ``s x vocab`` logits and softmax (8K tokens of a
@@ -62,10 +79,21 @@ def response_logprobs(model, hidden_SBH: torch.Tensor, targets_SB: torch.Tensor,
         hidden, targets = hidden_SBH[start:start + chunk_tokens], targets_SB[start:start + chunk_tokens]
         if torch.is_grad_enabled() and hidden.requires_grad:
             pieces.append(torch.utils.checkpoint.checkpoint(
-                _chunk_logprobs, model, hidden, targets, use_reentrant=False))
+                _chunk_logprobs, model, hidden, targets, with_entropy, use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(model, hidden, targets))
+            pieces.append(_chunk_logprobs(model, hidden, targets, with_entropy))
+    if with_entropy:
+        return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
     return torch.cat(pieces)
+
+
+def loss_of(loss_fn, model, hidden_SBH, ids_BR, mask_RB, indices) -> torch.Tensor:
+    """Call ``loss_fn`` on a micro-batch's log-probs (and entropies when the loss asks for
+    them with a true ``needs_entropy`` attribute)."""
+    if getattr(loss_fn, "needs_entropy", False):
+        logprobs_RB, entropy_RB = response_logprobs(model, hidden_SBH, ids_BR.t(), with_entropy=True)
+        return loss_fn(logprobs_RB, mask_RB, indices, entropy_RB=entropy_RB)
+    return loss_fn(response_logprobs(model, hidden_SBH, ids_BR.t()), mask_RB, indices)
 
 
 class FinalNormInput:

@@ -5,11 +5,12 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_longstraw.longstraw.binding import Mode, bind
-from megatron_longstraw.longstraw.model_steps import decode, embed, output_logits, response_logprobs
+from megatron_longstraw.longstraw.model_steps import decode, embed, loss_of, output_logits
 from megatron_longstraw.longstraw.state import PromptState
 
 # loss_fn(logprobs_RB, mask_RB, sample_indices) -> scalar; summed over micro-batches, so it must be
-# a sum of per-sample terms with any normalization fixed for the whole group.
+# a sum of per-sample terms with any normalization fixed for the whole group. A loss with a true
+# ``needs_entropy`` attribute is also given ``entropy_RB=`` (see ``model_steps.loss_of``).
 LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
 
 
@@ -66,8 +67,7 @@ def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor
         ids_BR, mask_RB = pad_responses([responses[i] for i in indices])
         # backward inside the binding: recomputed layers re-run forward against the state
         with bind(model, Mode.REPLAY, state, position_offset=state.prompt_length):
-            logprobs_RB = response_logprobs(model, replay_hidden(model, state, ids_BR), ids_BR.t())
-            loss = loss_fn(logprobs_RB, mask_RB, indices)
+            loss = loss_of(loss_fn, model, replay_hidden(model, state, ids_BR), ids_BR, mask_RB, indices)
             loss.backward()
         losses.append(loss.item())
     return losses

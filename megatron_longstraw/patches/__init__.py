@@ -19,6 +19,9 @@ CPU-only (a GPU host applies none of these):
 - ``cpu_moe_alltoall``: the all-to-all MoE token dispatcher without CUDA streams (EP > 1).
 - ``cpu_cuda_synchronize``: ``torch.cuda.synchronize()`` a no-op (Megatron's checkpoint writer).
 - ``cpu_tensor_cuda``: ``Tensor.cuda()`` the identity (tied embeddings across pipeline stages).
+- ``cpu_optimizer_device``: Megatron's optimizer allocates its scalars (loss scale, found-inf,
+  grad-norm buffer) on the CPU instead of a literal ``device='cuda'``; DDP's gradient reduction
+  gets a host stand-in for ``torch.cuda.current_stream()``.
 """
 
 import importlib
@@ -34,6 +37,7 @@ PATCHES = (
     "cpu_moe_alltoall",
     "cpu_cuda_synchronize",
     "cpu_tensor_cuda",
+    "cpu_optimizer_device",
 )
 
 _applied: list[str] = []

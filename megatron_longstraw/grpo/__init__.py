@@ -1,0 +1,1 @@
+"""GRPO math as pure tensor functions: advantages, clipped surrogate, KL/entropy, aggregation."""
