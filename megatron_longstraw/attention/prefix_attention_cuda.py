@@ -36,6 +36,11 @@ def _prefix_block() -> int:
     return block
 
 
+def prefix_kernel_settings() -> tuple[str, int]:
+    """``(backend, prefix block)`` from ``LONGSTRAW_ATTENTION_BACKEND`` / ``LONGSTRAW_PREFIX_BLOCK``."""
+    return _backend(), _prefix_block()
+
+
 def _emulated_scores(q, k, causal, scale):
     compute = torch.promote_types(q.dtype, torch.float32)
     scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) * scale
@@ -96,6 +101,30 @@ def _blocks(pk_1GPD, block):
     return [(start, min(start + block, pk_1GPD.shape[2])) for start in range(0, pk_1GPD.shape[2], block)]
 
 
+def merge_prefix_blocks(backend, block, q_BHSD, pk_1GPD, pv_1GPD, scale, acc_BHSD, lse_BHS):
+    """Fold ``q_BHSD`` over the batch-1 prefix ``pk/pv_1GPD`` (no mask) ``block`` keys at a time and
+    merge each block into the running output ``acc_BHSD`` (fp32) and log-sum-exp ``lse_BHS``.
+
+    Returns ``(acc, lse, q1, aux_per_block)``: ``q1`` is the folded query and ``aux_per_block``
+    the kernels' bookkeeping, both for the backward. The prefix is never expanded or copied per
+    sample or head: the queries that share a KV group are folded into one query sequence.
+    """
+    groups = pk_1GPD.shape[1]
+    q1 = _fold(q_BHSD, groups)
+    aux_prefix = []
+    for start, end in _blocks(pk_1GPD, block):
+        out_b, lse_b, aux = _forward(backend, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end],
+                                     False, scale)
+        aux_prefix.append(aux)
+        out_b = _unfold(out_b, q_BHSD.shape)
+        lse_b = _unfold(lse_b.unsqueeze(-1), q_BHSD.shape).squeeze(-1)
+        merged = torch.logaddexp(lse_BHS, lse_b)
+        acc_BHSD = (acc_BHSD * (lse_BHS - merged).exp().unsqueeze(-1)
+                    + out_b.to(acc_BHSD.dtype) * (lse_b - merged).exp().unsqueeze(-1))
+        lse_BHS = merged
+    return acc_BHSD, lse_BHS, q1, aux_prefix
+
+
 class _PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, scale):
@@ -103,18 +132,9 @@ class _PrefixCausalAttention(torch.autograd.Function):
         out, lse, aux_new = _forward(backend, q_BHSD, k_BHSD, v_BHSD, True, scale)
         q1, aux_prefix = None, []
         if pk_1GPD is not None:
-            groups = pk_1GPD.shape[1]
-            q1 = _fold(q_BHSD, groups)
             acc = out.to(torch.promote_types(out.dtype, torch.float32))
-            for start, end in _blocks(pk_1GPD, block):
-                out_b, lse_b, aux = _forward(backend, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end],
-                                             False, scale)
-                aux_prefix.append(aux)
-                out_b = _unfold(out_b, q_BHSD.shape)
-                lse_b = _unfold(lse_b.unsqueeze(-1), q_BHSD.shape).squeeze(-1)
-                merged = torch.logaddexp(lse, lse_b)
-                acc = acc * (lse - merged).exp().unsqueeze(-1) + out_b.to(acc.dtype) * (lse_b - merged).exp().unsqueeze(-1)
-                lse = merged
+            acc, lse, q1, aux_prefix = merge_prefix_blocks(backend, block, q_BHSD, pk_1GPD, pv_1GPD, scale,
+                                                           acc, lse)
             out = acc.to(q_BHSD.dtype)
         ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, out, lse, q1)
         ctx.aux = (aux_new, aux_prefix)

@@ -3,10 +3,12 @@
 Megatron's local ``DotProductAttention`` materializes the full score matrix and allocates on
 ``torch.cuda.current_device()``; this core calls torch SDPA instead and is where LongStraw's
 K/V pages live: it receives post-RoPE queries, keys and values, so in capture it appends the
-chunk's keys/values to the pages and in replay attends over them (``prefix_attention``).
+chunk's keys/values to the pages and in replay attends over them (``prefix_attention``). In
+decode each sample appends its new token's keys/values to its own pages and attends over the
+shared prompt pages plus its own (``decode_attention``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -16,6 +18,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_longstraw.attention.decode_attention import decode_attention
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
 from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
 from megatron_longstraw.longstraw.state import LayerState
@@ -33,6 +36,8 @@ class AttentionKVState(LayerState):
     value_SBGD: torch.Tensor
     length: int = 0
 
+    sample_dim = 1
+
     def append(self, key_SBGD: torch.Tensor, value_SBGD: torch.Tensor) -> None:
         """Write the next page of keys/values."""
         end = self.length + key_SBGD.shape[0]
@@ -45,6 +50,14 @@ class AttentionKVState(LayerState):
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The filled part of the pages."""
         return self.key_SBGD[: self.length], self.value_SBGD[: self.length]
+
+
+@dataclass
+class AttentionDecodeState(AttentionKVState):
+    """Decode: the samples' own keys/values ``[capacity, samples, groups, d]`` (filled ``length``
+    rows) after the shared batch-1 ``prompt`` pages, which are referenced, never copied."""
+
+    prompt: Optional[AttentionKVState] = field(default=None, kw_only=True)
 
 
 class SDPACoreAttention(MegatronModule, StatefulModule):
@@ -80,6 +93,13 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
         return AttentionKVState(torch.empty(shape, dtype=dtype, device=device),
                                 torch.empty(shape, dtype=dtype, device=device))
 
+    def new_decode_state(self, prompt: AttentionKVState, num_samples: int,
+                         capacity: int) -> AttentionDecodeState:
+        """Empty per-sample pages for ``capacity`` decoded tokens after the shared ``prompt`` pages."""
+        shape = (capacity, num_samples, self.groups_per_rank, self.config.kv_channels)
+        empty = dict(dtype=prompt.key_SBGD.dtype, device=prompt.key_SBGD.device)
+        return AttentionDecodeState(torch.empty(shape, **empty), torch.empty(shape, **empty), prompt=prompt)
+
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **kwargs):
         """Causal attention of ``query`` over ``key``/``value``, or over the bound prompt state."""
@@ -92,6 +112,12 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
             out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale)
             if binding.mode == Mode.CAPTURE:
                 binding.state.append(key, value)
+            return out_SBHD.reshape(seq, batch, -1)
+        if binding is not None and binding.mode == Mode.DECODE:
+            binding.state.append(key, value)
+            own_k, own_v = binding.state.keys_values()
+            prompt_k, prompt_v = binding.state.prompt.keys_values()
+            out_SBHD = decode_attention(query, own_k, own_v, prompt_k, prompt_v, self.softmax_scale)
             return out_SBHD.reshape(seq, batch, -1)
         if binding is not None and binding.mode == Mode.REFERENCE:
             key = detach_prefix(key, binding.prefix_length, 0)

@@ -1,19 +1,23 @@
-"""How stateful layers learn what to do: capture, replay, or stop-gradient reference.
+"""How stateful layers learn what to do: capture, replay, decode, or stop-gradient reference.
 
 A layer that owns prompt state subclasses ``StatefulModule``: it creates its empty state
-(``new_prompt_state``) and reads ``self.longstraw`` (a ``Binding`` or ``None``) in forward.
-``bind`` sets the binding on every stateful module of a model for the duration of a block.
+(``new_prompt_state``), its per-sample continuation of a captured state (``new_decode_state``)
+and reads ``self.longstraw`` (a ``Binding`` or ``None``) in forward. ``bind`` sets the binding
+on every stateful module of a model for the duration of a block.
 """
 
 import contextlib
 import enum
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from megatron_longstraw.longstraw.state import LayerState, PromptState
+
+if TYPE_CHECKING:
+    from megatron_longstraw.longstraw.decode_state import DecodeState
 
 
 class Mode(enum.Enum):
@@ -21,6 +25,8 @@ class Mode(enum.Enum):
 
     CAPTURE = "capture"      # no grad; the input is the next prompt chunk; update the state
     REPLAY = "replay"        # autograd; the input is response tokens after the prompt; read the state
+    DECODE = "decode"        # no grad; the input is the next token(s) of every sample; read the shared
+    # prompt state, append to / update the sample's own state (a ``DecodeState`` layer entry)
     REFERENCE = "reference"  # ordinary full sequence; detach the first ``prefix_length`` rows of
     # the tensors that make up the prompt state (the stop-gradient reference)
 
@@ -44,6 +50,12 @@ class StatefulModule:
         """An empty state for a prompt of ``prompt_length`` tokens (this rank's share)."""
         raise NotImplementedError
 
+    def new_decode_state(self, prompt: LayerState, num_samples: int, capacity: int) -> LayerState:
+        """The per-sample continuation of the captured batch-1 ``prompt`` state for ``num_samples``
+        samples of up to ``capacity`` fed tokens each. It references ``prompt`` (never copies
+        what it only reads) and owns only what each sample adds or mutates."""
+        raise NotImplementedError
+
 
 def stateful_modules(model) -> dict[str, StatefulModule]:
     """Every stateful module of ``model`` by qualified name."""
@@ -58,9 +70,20 @@ def model_signature(model) -> str:
     return digest.hexdigest()[:16]
 
 
+def check_state_matches(model, state: Union[PromptState, "DecodeState"], modules=None) -> None:
+    """``ValueError`` unless ``state`` was made by ``model`` (same signature, every stateful layer)."""
+    if state.model_signature != model_signature(model):
+        raise ValueError("prompt state was captured with a different model "
+                         "(architecture or parallel layout differs)")
+    modules = stateful_modules(model) if modules is None else modules
+    missing = sorted(set(modules) - set(state.layers))
+    if missing:
+        raise ValueError(f"prompt state has no entry for layers {missing[:3]}")
+
+
 @contextlib.contextmanager
-def bind(model, mode: Mode, state: Optional[PromptState] = None, *, position_offset: int = 0,
-         prefix_length: int = 0):
+def bind(model, mode: Mode, state: Union[PromptState, "DecodeState", None] = None, *,
+         position_offset: int = 0, prefix_length: int = 0):
     """Bind every stateful module of ``model`` for the block; restores the previous binding on exit.
 
     Keep backward inside the block when activations are recomputed (``--recompute-granularity``):
@@ -68,12 +91,7 @@ def bind(model, mode: Mode, state: Optional[PromptState] = None, *, position_off
     """
     modules = stateful_modules(model)
     if state is not None:
-        if state.model_signature != model_signature(model):
-            raise ValueError("prompt state was captured with a different model "
-                             "(architecture or parallel layout differs)")
-        missing = sorted(set(modules) - set(state.layers))
-        if missing:
-            raise ValueError(f"prompt state has no entry for layers {missing[:3]}")
+        check_state_matches(model, state, modules)
     previous = {name: module.longstraw for name, module in modules.items()}
     for name, module in modules.items():
         module.longstraw = Binding(mode, state.layers[name] if state is not None else None,

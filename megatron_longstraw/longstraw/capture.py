@@ -1,5 +1,7 @@
 """Prompt capture: one no-grad pass over the prompt in chunks, keeping only the prompt state."""
 
+from typing import Callable, Optional
+
 import torch
 
 from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
@@ -8,12 +10,14 @@ from megatron_longstraw.longstraw.state import PromptState
 
 
 @torch.no_grad()
-def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int) -> PromptState:
+def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
+                   progress: Optional[Callable[[int], object]] = None) -> PromptState:
     """Run ``prompt_ids_BS`` through ``model`` without autograd, ``chunk_size`` tokens at a time.
 
     Each chunk attends to the state captured so far plus itself causally; recurrent layers carry
     their state from chunk to chunk. Peak memory is the state plus one chunk's activations.
     Returns the prompt state with the last position's hidden state and next-token logits.
+    ``progress``, if given, is called with the number of tokens of each finished chunk.
     """
     if prompt_ids_BS.dim() != 2 or prompt_ids_BS.shape[1] == 0:
         raise ValueError(f"prompt must be [batch, tokens] with at least one token, got {tuple(prompt_ids_BS.shape)}")
@@ -30,6 +34,8 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int) -> Promp
         for start in range(0, length, chunk_size):
             with bind(model, Mode.CAPTURE, state, position_offset=start):
                 hidden_SBH = decode(model, embed(model, prompt_ids_BS[:, start:start + chunk_size], start), start)
+            if progress is not None:
+                progress(min(chunk_size, length - start))
     finally:
         final_norm.remove()
     state.last_hidden_1BH = final_norm.last_row_1BH

@@ -8,13 +8,20 @@ own heads only; under CP a rank will hold its own shard of the pages.
 """
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
 
 class LayerState:
-    """Base class: tensor fields are the state; everything else is bookkeeping."""
+    """Base class: tensor fields are the state; everything else is bookkeeping.
+
+    A field holding another ``LayerState`` (a decode state's shared ``prompt``) is a reference,
+    not part of this state: ``tensors``, ``nbytes``, ``to``, ``free`` and ``select_samples``
+    leave it alone.
+    """
+
+    sample_dim: ClassVar[int] = 0  # the dimension of every tensor that indexes samples
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state's tensors by field name."""
@@ -40,6 +47,12 @@ class LayerState:
         """Drop the tensors."""
         for name in self.tensors():
             setattr(self, name, None)
+
+    def select_samples(self, index_B: torch.Tensor) -> "LayerState":
+        """Keep only the samples ``index_B`` (rows along ``sample_dim``), in that order; returns self."""
+        for name, tensor in self.tensors().items():
+            setattr(self, name, tensor.index_select(self.sample_dim, index_B.to(tensor.device)))
+        return self
 
 
 @dataclass

@@ -16,10 +16,11 @@ summed by the sequence-parallel gather, the RoPE part is not). Forward logits ar
 ``kv_down`` gradients are not. Megatron's Transformer Engine spec avoids that path by using
 duplicated down projections; the subclass does the same with ``DuplicatedLinear``.
 
-LongStraw (capture/replay, ``longstraw.binding``): ``LongStrawAbsorbedMLASelfAttention`` owns the
-MLA latent state, ``LongStrawDSAIndexer`` the indexer keys (``glm5_state``), and
+LongStraw (capture/replay/decode, ``longstraw.binding``): ``LongStrawAbsorbedMLASelfAttention``
+owns the MLA latent state, ``LongStrawDSAIndexer`` the indexer keys (``glm5_state``), and
 ``LongStrawDSAttention`` attends new tokens over ``[prompt state; new tokens]``
-(``prefix_sparse_attention``). Unbound, all three are Megatron's modules unchanged.
+(``prefix_sparse_attention``), or in decode over ``[shared prompt state; the sample's own
+tokens]`` (``glm5_decode``). Unbound, all three are Megatron's modules unchanged.
 """
 
 import contextlib
@@ -41,7 +42,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
-from megatron_longstraw.models.glm5_state import IndexerKeyState, MLALatentState
+from megatron_longstraw.models.glm5_decode import decode_index_topk, decode_sparse_attention
+from megatron_longstraw.models.glm5_state import (
+    IndexerDecodeState, IndexerKeyState, MLADecodeState, MLALatentState)
 from megatron_longstraw.patches.dsa_causal_topk import fused_qk_topk_causal
 
 
@@ -166,6 +169,25 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
         return IndexerKeyState(torch.empty(prompt_length, batch, self.index_head_dim,
                                            dtype=self.config.params_dtype, device=device))
 
+    def new_decode_state(self, prompt: IndexerKeyState, num_samples: int,
+                         capacity: int) -> IndexerDecodeState:
+        """Empty per-sample key pages for ``capacity`` decoded tokens after the shared ``prompt``."""
+        return IndexerDecodeState(torch.empty(capacity, num_samples, self.index_head_dim,
+                                              dtype=prompt.key_SBD.dtype, device=prompt.key_SBD.device),
+                                  prompt=prompt)
+
+    @torch.no_grad()
+    def topk_decode(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        """Bound in ``Mode.DECODE``: appends the new tokens' keys to the samples' own keys and
+        returns their top-k ``[b, s, topk]`` over ``[shared prompt keys; own keys]``, causal."""
+        binding = self.longstraw
+        state = binding.state
+        with self.rope_offset.shifted(binding.position_offset):
+            q, k, weights = self.forward_before_topk(x, qr)
+        state.append(k)
+        return decode_index_topk(q, weights, state.prompt.filled(), state.filled(), self.index_topk,
+                                 use_relu=self.config.dsa_indexer_scoring_relu)
+
     @torch.no_grad()
     def topk_after_prefix(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
         """Top-k ``[b, s, topk]`` of the new tokens over ``[prompt keys; new keys]``, causal.
@@ -193,25 +215,37 @@ class LongStrawDSAttention(DSAttention):
     the same forward, exactly as in Megatron's forward (same holder).
     """
 
+    def _topk(self, x, qr, select):
+        """This layer's top-k from ``select(x, qr)`` (its indexer), or its source layer's when shared."""
+        holder = self._get_index_share_topk_holder(None, None) if self.index_share else None
+        if self.skip_topk:
+            if self.source_layer not in holder:
+                raise RuntimeError(f"DSA shared layer {self.layer_number}: source layer "
+                                   f"{self.source_layer} did not run before it")
+            return holder[self.source_layer]
+        topk = select(x, qr)
+        if holder is not None:
+            holder[self.layer_number] = topk
+        return topk
+
     def forward_after_prefix(self, query_SBNK, key_SB1K, prefix_key_SBK, x, qr, up_v_weight):
         """New tokens' attention over ``[prompt latents; new latents]``; ``[s, b, heads * v]``."""
         _refuse_unsupported(self, "DSA")
         if self.training and torch.is_grad_enabled() and (self.config.dsa_indexer_loss_coeff or 0) > 0:
             raise ValueError("LongStraw DSA: the indexer KL loss (--dsa-indexer-loss-coeff > 0) is "
                              "not supported in capture/replay")
-        x, qr = x.detach(), qr.detach()
-        holder = self._get_index_share_topk_holder(None, None) if self.index_share else None
-        if self.skip_topk:
-            if self.source_layer not in holder:
-                raise RuntimeError(f"DSA shared layer {self.layer_number}: source layer "
-                                   f"{self.source_layer} did not run before it")
-            topk = holder[self.source_layer]
-        else:
-            topk = self.indexer.topk_after_prefix(x, qr)
-            if holder is not None:
-                holder[self.layer_number] = topk
+        topk = self._topk(x.detach(), qr.detach(), lambda x, qr: self.indexer.topk_after_prefix(x, qr))
         return prefix_sparse_attention(query_SBNK, key_SB1K.squeeze(2), prefix_key_SBK, topk,
                                        up_v_weight, self.softmax_scale, self.config)
+
+    @torch.no_grad()
+    def forward_decode(self, query_SBNK, latents: MLADecodeState, x, qr, up_v_weight):
+        """Decode: the newest tokens' attention over ``[shared prompt latents; the samples' own
+        latents]`` (the new ones already appended to ``latents``); ``[s, b, heads * v]``."""
+        _refuse_unsupported(self, "DSA")
+        topk = self._topk(x, qr, lambda x, qr: self.indexer.topk_decode(x, qr))
+        return decode_sparse_attention(query_SBNK, latents.prompt.filled(), latents.filled(), topk,
+                                       up_v_weight, self.softmax_scale, self.config.kv_lora_rank)
 
 
 class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule):
@@ -220,7 +254,8 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
     Unbound: Megatron's forward. Bound (``longstraw.bind``): RoPE starts at the binding's
     ``position_offset``; ``Mode.CAPTURE`` attends the chunk over the latents captured so far plus
     itself and appends its latents; ``Mode.REPLAY`` attends the response over the prompt latents
-    plus itself; ``Mode.REFERENCE`` is the ordinary full-sequence forward with the prompt rows of
+    plus itself; ``Mode.DECODE`` appends each sample's new latents to its own and attends over the
+    shared prompt latents plus its own; ``Mode.REFERENCE`` is the ordinary full-sequence forward with the prompt rows of
     the latent (``c_kv`` and ``k_rope``, the core attention's key) detached. The core attention
     must be ``LongStrawDSAttention``.
     """
@@ -234,6 +269,13 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
         width = self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim
         return MLALatentState(torch.empty(prompt_length, batch, width, dtype=self.config.params_dtype,
                                           device=device), self.config.kv_lora_rank)
+
+    def new_decode_state(self, prompt: MLALatentState, num_samples: int, capacity: int) -> MLADecodeState:
+        """Empty per-sample latent pages for ``capacity`` decoded tokens after the shared ``prompt``."""
+        width = self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim
+        return MLADecodeState(torch.empty(capacity, num_samples, width, dtype=prompt.latent_SBD.dtype,
+                                          device=prompt.latent_SBD.device),
+                              self.config.kv_lora_rank, prompt=prompt)
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
@@ -253,13 +295,19 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
         if not isinstance(self.core_attention, LongStrawDSAttention):
             raise TypeError("LongStraw MLA needs LongStrawDSAttention as core attention")
         mode, state = binding.mode, binding.state
-        if mode != Mode.REFERENCE and binding.position_offset != state.length:
-            raise RuntimeError(f"LongStraw MLA: position offset {binding.position_offset} != "
-                               f"{state.length} captured tokens")
+        if mode != Mode.REFERENCE:
+            done = state.length + (state.prompt.length if mode == Mode.DECODE else 0)
+            if binding.position_offset != done:
+                raise RuntimeError(f"LongStraw MLA: position offset {binding.position_offset} != "
+                                   f"{done} tokens in the state")
         with self.rope_offset.shifted(binding.position_offset):
             q_absorbed, kv_latent, q_compressed = self.get_query_key_value_tensors(hidden_states)
         v_up_weight = self._get_v_up_weight()
-        if mode == Mode.REFERENCE:
+        if mode == Mode.DECODE:
+            state.append(kv_latent.squeeze(2))
+            core_out = self.core_attention.forward_decode(q_absorbed, state, hidden_states, q_compressed,
+                                                          v_up_weight)
+        elif mode == Mode.REFERENCE:
             core_out = self.core_attention(
                 q_absorbed, detach_prefix(kv_latent, binding.prefix_length, 0), value=None,
                 attention_mask=attention_mask, x=hidden_states, qr=q_compressed,

@@ -27,9 +27,14 @@ Bytes per prompt, per sample (batch 1), with ``e`` the parameter dtype's size:
 ``P * e * (L * (kv_lora_rank + qk_rope_head_dim) + L_full * index_head_dim)`` plus the last
 hidden state ``hidden_size * e`` (``PromptState``), for ``L`` layers of which ``L_full`` have an
 indexer.
+
+Decoding (``MLADecodeState``, ``IndexerDecodeState``) keeps the same per-token entries for each
+sample's generated tokens, ``[capacity, samples, d]``, after the shared batch-1 prompt state,
+which it references and never copies.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -40,6 +45,7 @@ class _PagedState(LayerState):
     """A buffer ``[prompt, b, d]`` sized for the whole prompt, filled page by page (``length``)."""
 
     length: int
+    sample_dim = 1
 
     def _buffer(self) -> torch.Tensor:
         raise NotImplementedError
@@ -89,3 +95,19 @@ class IndexerKeyState(_PagedState):
 
     def _buffer(self) -> torch.Tensor:
         return self.key_SBD
+
+
+@dataclass
+class MLADecodeState(MLALatentState):
+    """Decode: the samples' own latents ``[capacity, samples, kv_lora_rank + rope]`` (filled
+    ``length`` rows) after the shared batch-1 ``prompt`` latents (referenced, not copied)."""
+
+    prompt: Optional[MLALatentState] = field(default=None, kw_only=True)
+
+
+@dataclass
+class IndexerDecodeState(IndexerKeyState):
+    """Decode: the samples' own indexer keys ``[capacity, samples, index_head_dim]`` (filled
+    ``length`` rows) after the shared batch-1 ``prompt`` keys (referenced, not copied)."""
+
+    prompt: Optional[IndexerKeyState] = field(default=None, kw_only=True)

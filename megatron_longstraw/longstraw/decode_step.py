@@ -1,0 +1,28 @@
+"""One decode step: every sample's next token(s) through the model against its ``DecodeState``."""
+
+import torch
+
+from megatron_longstraw.longstraw.binding import Mode, bind
+from megatron_longstraw.longstraw.decode_state import DecodeState
+from megatron_longstraw.longstraw.model_steps import decode, embed, output_logits
+
+
+@torch.no_grad()
+def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> torch.Tensor:
+    """Feed ``ids_BS`` (``[samples, s]``, usually ``s = 1``) at positions ``state.position...``.
+
+    Each layer attends over the shared prompt state, the sample's earlier tokens and the new
+    tokens (causally), appends the new tokens to the sample's state and advances it. Returns the
+    logits ``[b, vocab / tp]`` predicting the token after the last fed one (this rank's
+    vocabulary shard when the model keeps its output parallel).
+    """
+    batch, seq = ids_BS.shape
+    assert batch == state.num_samples, (batch, state.num_samples)
+    if state.length + seq > state.capacity:
+        raise ValueError(f"decode state of capacity {state.capacity} cannot take {seq} more tokens "
+                         f"after {state.length}")
+    offset = state.position
+    with bind(model, Mode.DECODE, state, position_offset=offset):
+        hidden_SBH = decode(model, embed(model, ids_BS, offset), offset)
+    state.advance(seq)
+    return output_logits(model, hidden_SBH[-1:])[0]

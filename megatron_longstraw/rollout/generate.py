@@ -1,0 +1,183 @@
+"""Batched autoregressive decoding of G samples from one captured prompt state.
+
+``generate_from_state`` decodes every unfinished sample one token per step in one batched forward
+(``longstraw.decode_step``). The prompt state is shared: its K/V pages, MLA latents and DSA
+indexer keys are read in place by every sample; each sample owns only its generated tokens'
+entries and its copy of the Gated DeltaNet state (``longstraw.decode_state``). A sample stops
+after EOS (included in its response) or ``max_new_tokens``; finished samples are dropped from the
+batch (their per-sample state with them), so late steps cost only the samples still running.
+
+Tensor parallelism: the logits are vocabulary-sharded, so they are all-gathered over the TP group
+and every TP rank samples from the same full logits; TP rank 0's tokens are then broadcast over
+the group, so every rank feeds the same tokens whatever its generator. Pass the same
+``generator`` seed on every TP rank to keep the generators in step (the random draws are then
+identical anyway). Sequence and pipeline parallelism are not supported here.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_longstraw.longstraw.decode_state import new_decode_state
+from megatron_longstraw.longstraw.decode_step import decode_step
+from megatron_longstraw.longstraw.model_steps import output_logits
+from megatron_longstraw.longstraw.state import PromptState
+from megatron_longstraw.rollout.sampling import (
+    check_sampling, sample_tokens, sampling_logprobs, token_logprobs_full_vocab)
+
+
+@dataclass
+class RolloutProgress:
+    """What a progress callback sees after each decode step."""
+
+    step: int               # tokens sampled so far by the longest-running sample
+    max_new_tokens: int
+    active: int             # samples still decoding
+    finished: int           # samples done (EOS or length)
+    generated_tokens: int   # tokens sampled over all samples
+    elapsed_s: float
+
+
+@dataclass
+class Rollouts:
+    """The G responses of one prompt, with the model's log-probabilities of their tokens.
+
+    ``logprobs[i][t]`` is ``log p(responses[i][t])`` under the model itself (temperature 1, no
+    top-p: what replay computes for the same tokens), fp32; ``sampling_logprobs`` the same under
+    the distribution it was drawn from (temperature and top-p applied; 0 when greedy).
+    ``step_logits`` (only with ``keep_logits``) holds, per sample, the full-vocabulary logits each
+    token was sampled from, ``[len, vocab]``.
+    """
+
+    responses: list[torch.Tensor]
+    logprobs: list[torch.Tensor]
+    sampling_logprobs: list[torch.Tensor]
+    stopped_by_eos: list[bool]
+    seconds: float
+    decode_steps: int                 # batched forwards through the model
+    decode_state_bytes: int           # per-sample state allocated at the start (this rank)
+    step_logits: Optional[list[torch.Tensor]] = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens generated over all samples."""
+        return sum(r.numel() for r in self.responses)
+
+
+def full_vocab_logits(model, logits_BV: torch.Tensor) -> torch.Tensor:
+    """fp32 logits over the whole vocabulary: all-gathered over TP when the model keeps them sharded."""
+    if parallel_state.get_tensor_model_parallel_world_size() > 1 and logits_BV.shape[-1] < model.vocab_size:
+        logits_BV = tensor_parallel.gather_from_tensor_model_parallel_region(logits_BV)
+    assert logits_BV.shape[-1] >= model.vocab_size, (logits_BV.shape, model.vocab_size)
+    return logits_BV[..., : model.vocab_size].float()
+
+
+def _same_on_tp_ranks(tokens_B: torch.Tensor) -> torch.Tensor:
+    """TP rank 0's tokens on every rank of the TP group."""
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(tokens_B, src=parallel_state.get_tensor_model_parallel_src_rank(),
+                                    group=parallel_state.get_tensor_model_parallel_group())
+    return tokens_B
+
+
+def _first_logits(model, prompt_state: PromptState) -> torch.Tensor:
+    """Next-token logits ``[1, vocab / tp]`` after the prompt (kept by capture, else recomputed)."""
+    if prompt_state.last_logits_BV is not None:
+        return prompt_state.last_logits_BV
+    if prompt_state.last_hidden_1BH is None:
+        raise ValueError("the prompt state has neither last logits nor last hidden state (freed?)")
+    return output_logits(model, model.decoder.final_layernorm(prompt_state.last_hidden_1BH))[0]
+
+
+def _check(model, prompt_state: PromptState, num_samples: int, max_new_tokens: int,
+           temperature: float, top_p: float) -> None:
+    check_sampling(temperature, top_p)
+    if num_samples < 1:
+        raise ValueError(f"--num-generations must be >= 1, got {num_samples}")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-response-length must be >= 1, got {max_new_tokens}")
+    if prompt_state.prompt_length + max_new_tokens > model.max_sequence_length:
+        raise ValueError(
+            f"--max-response-length {max_new_tokens} after a {prompt_state.prompt_length}-token prompt "
+            f"exceeds the model's {model.max_sequence_length} positions")
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("decoding with --pipeline-model-parallel-size > 1 is not supported")
+    if model.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        raise ValueError("decoding with --sequence-parallel is not supported: a decode step has one "
+                         "token per sample, which cannot be split over the tensor-parallel ranks")
+
+
+@torch.no_grad()
+def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_new_tokens: int, *,
+                        temperature: float = 1.0, top_p: float = 1.0, eos_id: Optional[int] = None,
+                        generator: Optional[torch.Generator] = None,
+                        progress: Optional[Callable[[RolloutProgress], None]] = None,
+                        keep_logits: bool = False) -> Rollouts:
+    """Decode ``num_samples`` responses of at most ``max_new_tokens`` tokens from ``prompt_state``.
+
+    ``prompt_state`` is a batch-1 state captured by ``model`` (``capture_prompt``); it is read,
+    never modified or copied per sample. Tokens are drawn with ``sampling.sample_tokens``
+    (greedy at ``temperature == 0``). A sample stops after ``eos_id`` (kept as its last token) or
+    at ``max_new_tokens``. ``progress``, if given, is called after every step. Raises
+    ``ValueError`` for bad sampling settings, a response that would exceed the model's positions,
+    or a state from another model.
+    """
+    _check(model, prompt_state, num_samples, max_new_tokens, temperature, top_p)
+    start = time.perf_counter()
+    state = new_decode_state(model, prompt_state, num_samples, capacity=max_new_tokens - 1)
+    state_bytes = state.nbytes()
+    tokens_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.long)
+    logprobs_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.float32)
+    sampling_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.float32)
+    lengths = [0] * num_samples
+    stopped_by_eos = [False] * num_samples
+    kept_logits = [[] for _ in range(num_samples)] if keep_logits else None
+    rows = list(range(num_samples))  # sample id of each row still decoding
+    logits_BV = full_vocab_logits(model, _first_logits(model, prompt_state)).expand(num_samples, -1)
+    steps = 0
+    try:
+        for step in range(max_new_tokens):
+            tokens_B = _same_on_tp_ranks(sample_tokens(logits_BV, temperature, top_p, generator))
+            logprobs_B = token_logprobs_full_vocab(logits_BV, tokens_B).cpu()
+            sampling_B = sampling_logprobs(logits_BV, tokens_B, temperature, top_p).cpu()
+            tokens_cpu = tokens_B.cpu()
+            keep = []
+            for row, sample in enumerate(rows):
+                tokens_GT[sample, step] = tokens_cpu[row]
+                logprobs_GT[sample, step] = logprobs_B[row]
+                sampling_GT[sample, step] = sampling_B[row]
+                lengths[sample] = step + 1
+                if kept_logits is not None:
+                    kept_logits[sample].append(logits_BV[row].cpu())
+                if eos_id is not None and tokens_cpu[row].item() == eos_id:
+                    stopped_by_eos[sample] = True
+                elif step + 1 < max_new_tokens:
+                    keep.append(row)
+            if progress is not None:
+                finished = num_samples - len(keep)
+                progress(RolloutProgress(step + 1, max_new_tokens, len(keep), finished, sum(lengths),
+                                         time.perf_counter() - start))
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                index_B = torch.tensor(keep, dtype=torch.long, device=tokens_B.device)
+                state.select_samples(index_B)
+                tokens_B = tokens_B.index_select(0, index_B)
+                rows = [rows[row] for row in keep]
+            logits_BV = full_vocab_logits(model, decode_step(model, state, tokens_B[:, None]))
+            steps += 1
+    finally:
+        state.free()
+    return Rollouts(
+        responses=[tokens_GT[i, : lengths[i]].clone() for i in range(num_samples)],
+        logprobs=[logprobs_GT[i, : lengths[i]].clone() for i in range(num_samples)],
+        sampling_logprobs=[sampling_GT[i, : lengths[i]].clone() for i in range(num_samples)],
+        stopped_by_eos=stopped_by_eos,
+        seconds=time.perf_counter() - start,
+        decode_steps=steps,
+        decode_state_bytes=state_bytes,
+        step_logits=[torch.stack(x) for x in kept_logits] if kept_logits is not None else None,
+    )

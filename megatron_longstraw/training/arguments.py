@@ -1,0 +1,219 @@
+"""``train_grpo.py`` arguments: Megatron-style flags in argparse groups, one validation function.
+
+Defaults are the embedded demo: the tiny hybrid model (``qwen3.5-debug``) on the built-in
+synthetic retrieval task, a few steps on CPU (or GPU), wandb offline, a checkpoint under runs/.
+"""
+
+import argparse
+import math
+import os
+
+from megatron_longstraw.distributed import ParallelSizes
+from megatron_longstraw.grpo.policy_loss import validate_loss_args
+
+
+def _model(p):
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="qwen3.5-debug", help="preset name or HF folder / config.json")
+    g.add_argument("--hf-config", default=None, help="HF config.json or folder (overrides --model)")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="override the model's position budget (RoPE extrapolation)")
+    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"])
+    g.add_argument("--recompute-granularity", default=None, choices=[None, "full"])
+
+
+def _parallel(p):
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+
+
+def _precision(p):
+    g = p.add_argument_group("precision")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters with fp32 main weights")
+    g.add_argument("--fp8-format", default=None, choices=[None, "hybrid", "e4m3"])
+    g.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8"])
+
+
+def _optimizer(p):
+    g = p.add_argument_group("optimizer and learning-rate schedule")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+
+def _training(p):
+    g = p.add_argument_group("training")
+    g.add_argument("--train-iters", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=2, help="prompt groups per optimizer step")
+    g.add_argument("--seed", type=int, default=1234)
+
+
+def _checkpointing(p):
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default="runs/grpo-demo/checkpoints")
+    g.add_argument("--load", default=None, help="resume from this save directory or checkpoint")
+    g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
+    g.add_argument("--no-save", action="store_true", help="write no checkpoint")
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="initial weights: a Megatron checkpoint from tools/convert_checkpoint.py")
+
+
+def _logging(p):
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--wandb-project", default=None, help="log online to this project (else offline)")
+    g.add_argument("--wandb-exp-name", default="grpo-demo")
+    g.add_argument("--wandb-save-dir", default="runs/grpo-demo")
+    g.add_argument("--wandb-mode", default=None, choices=[None, "online", "offline", "disabled"],
+                   help="default: online with --wandb-project and credentials, else offline")
+    g.add_argument("--progress", action="store_true",
+                   help="progress bars for capture and decoding also without a terminal")
+    g.add_argument("--peak-tflops", type=float, default=785.0,
+                   help="per-GPU peak for MFU (785: measured bf16 matmul peak of an H200)")
+
+
+def _grpo(p):
+    g = p.add_argument_group("GRPO")
+    g.add_argument("--num-generations", type=int, default=4, help="G: responses per prompt")
+    g.add_argument("--clip-eps-low", type=float, default=0.2)
+    g.add_argument("--clip-eps-high", type=float, default=0.28)
+    g.add_argument("--kl-coef", type=float, default=0.0, help="> 0 keeps a frozen reference model")
+    g.add_argument("--loss-aggregation", default="token", choices=["token", "sequence"])
+    g.add_argument("--advantage-normalization", default="group-std", choices=["group-std", "none"])
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+
+
+def _rollout(p):
+    g = p.add_argument_group("rollout")
+    g.add_argument("--max-response-length", type=int, default=8)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--rollout-source", default="internal", choices=["internal", "jsonl"])
+    g.add_argument("--rollout-path", default=None, help="JSONL of prompts with G responses (jsonl source)")
+
+
+def _reward(p):
+    g = p.add_argument_group("reward")
+    g.add_argument("--reward-fn", default="synthetic_retrieval", help="builtin name or module:function")
+    g.add_argument("--reward-partial-credit", type=float, default=0.0,
+                   help="synthetic_retrieval: credit c in [0, 1) times the correct fraction of a wrong value")
+
+
+def _data(p):
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default="synthetic", help="JSONL prompts, or 'synthetic'")
+    g.add_argument("--max-prompt-length", type=int, default=None,
+                   help="default: the model's positions minus --max-response-length")
+    g.add_argument("--synthetic-prompt-length", type=int, default=256)
+    g.add_argument("--synthetic-num-records", type=int, default=4)
+    g.add_argument("--synthetic-value-length", type=int, default=1)
+    g.add_argument("--synthetic-vocab-size", type=int, default=None,
+                   help="the task uses ids [0, N) only (markers, keys, values, filler); default: the model's")
+    g.add_argument("--tokenizer-type", default="NullTokenizer",
+                   choices=["NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"])
+    g.add_argument("--tokenizer-model", default=None, help="tokenizer folder or file")
+
+
+def _longstraw(p):
+    g = p.add_argument_group("LongStraw")
+    g.add_argument("--prompt-chunk-size", type=int, default=32768)
+    g.add_argument("--replay-micro-batch-size", type=int, default=1)
+    g.add_argument("--replay-mode", default="longstraw", choices=["longstraw", "full"])
+
+
+GROUPS = (_model, _parallel, _precision, _optimizer, _training, _checkpointing, _logging, _grpo,
+          _rollout, _reward, _data, _longstraw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every group."""
+    parser = argparse.ArgumentParser(description="GRPO on LongStraw (capture once, replay each response)")
+    for group in GROUPS:
+        group(parser)
+    return parser
+
+
+def _positive(args, *names):
+    for name in names:
+        value = getattr(args, name)
+        if value is None or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def validate_args(args, world_size: int = 1) -> argparse.Namespace:
+    """Check every flag and fill derived values; raises ``ValueError`` naming the flag."""
+    _positive(args, "train_iters", "global_batch_size", "num_generations", "max_response_length",
+              "prompt_chunk_size", "replay_micro_batch_size", "log_interval")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
+    args.parallel = ParallelSizes(args.tensor_model_parallel_size, args.context_parallel_size,
+                                  args.expert_model_parallel_size, args.pipeline_model_parallel_size)
+    args.data_parallel_size = args.parallel.validate(world_size)
+    if args.global_batch_size % args.data_parallel_size:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} must be divisible by the "
+                         f"data-parallel size {args.data_parallel_size}")
+    for flag in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
+        value = getattr(args, flag)
+        if value < 0 or not math.isfinite(value):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    for flag in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(args, flag)}")
+    if args.lr_warmup_iters < 0:
+        raise ValueError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_decay_iters < 1:
+        raise ValueError(f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}")
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
+                         f"{args.lr_decay_iters} (default: --train-iters)")
+    validate_loss_args(args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef,
+                       args.loss_aggregation)
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.rollout_source == "jsonl" and not args.rollout_path:
+        raise ValueError("--rollout-source jsonl needs --rollout-path")
+    if args.rollout_path and not os.path.isfile(args.rollout_path):
+        raise ValueError(f"--rollout-path {args.rollout_path}: no such file")
+    if args.data_path != "synthetic" and args.rollout_source == "internal" and not os.path.isfile(args.data_path):
+        raise ValueError(f"--data-path {args.data_path}: no such file")
+    if args.tokenizer_type != "NullTokenizer" and not args.tokenizer_model:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    if args.fp8_format and args.transformer_impl != "transformer_engine":
+        raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
+    for flag in ("load", "pretrained_checkpoint"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.exists(path):
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: no such checkpoint")
+    if args.parallel.expert > 1 and args.data_parallel_size > 1:
+        raise ValueError("--expert-model-parallel-size > 1 with data parallelism is not supported yet: "
+                         "data-parallel ranks run different prompts, so their expert all-to-alls would not match")
+    if args.sequence_parallel:
+        raise ValueError("--sequence-parallel is not supported by LongStraw capture/replay yet (the "
+                         "decoder's sequence shards break the prompt-boundary rows); leave it off")
+    if args.parallel.context > 1 or args.parallel.pipeline > 1:
+        raise ValueError("--context-parallel-size and --pipeline-model-parallel-size > 1 are not "
+                         "supported by the trainer yet (LongStraw CP and PP are in progress)")
+    return args
+
+
+def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
+    """Parse and validate."""
+    return validate_args(build_parser().parse_args(argv), world_size)

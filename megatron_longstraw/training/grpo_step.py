@@ -1,0 +1,171 @@
+"""One GRPO prompt group on LongStraw: capture -> rollouts -> rewards -> advantages -> old
+log-probs -> replay with autograd. The optimizer step and logging live in ``train_grpo.py``.
+
+Normalization: gradients of the groups of one optimizer step accumulate, and each group's
+state is freed before the next group is captured, so the token count of the whole global batch
+is unknown while groups replay. ``--loss-aggregation token`` therefore backpropagates the plain
+sum over tokens and ``train_grpo.py`` rescales the accumulated gradients once by
+``dp_size / global_tokens`` before Megatron's DDP averages them over data-parallel ranks (exact
+token mean over the global batch, before clipping). ``sequence`` averages each response over its
+tokens and divides by this rank's responses of the step; DDP's average makes it the mean over
+all responses.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_longstraw.grpo.advantages import advantage_stats, group_advantages
+from megatron_longstraw.grpo.policy_loss import GRPOLoss
+from megatron_longstraw.longstraw.capture import capture_prompt
+from megatron_longstraw.longstraw.full_graph import full_graph_hidden, full_graph_responses
+from megatron_longstraw.longstraw.model_steps import response_logprobs
+from megatron_longstraw.longstraw.replay import pad_responses, replay_hidden, replay_responses
+from megatron_longstraw.rewards.scoring import score_group
+from megatron_longstraw.rollout.generate import generate_from_state
+from megatron_longstraw.training.progress import progress_bar
+
+
+@dataclass
+class PromptGroup:
+    """One prompt with its G responses (internal rollouts fill ``responses`` and ``rewards_G``)."""
+
+    prompt_ids_S: torch.Tensor
+    answer: object = None
+    metadata: Optional[dict] = None
+    source: Optional[str] = None  # <file>:<line> or synthetic:<index>, named in errors
+    responses: list = field(default_factory=list)
+    rewards_G: Optional[torch.Tensor] = None
+
+
+class PhaseClock:
+    """Wall time and peak GPU memory per phase (``time/<phase>_s``, ``mem/<phase>_peak_gib``)."""
+
+    def __init__(self):
+        self.metrics: dict[str, float] = {}
+
+    def __call__(self, phase: str):
+        clock = self
+
+        class _Phase:
+            def __enter__(self):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+                    key = f"mem/{phase}_peak_gib"
+                    clock.metrics[key] = max(clock.metrics.get(key, 0.0), peak)
+                key = f"time/{phase}_s"
+                clock.metrics[key] = clock.metrics.get(key, 0.0) + time.perf_counter() - self.start
+
+        return _Phase()
+
+
+def _same_on_tp_ranks(rewards_G: torch.Tensor) -> torch.Tensor:
+    """TP rank 0's rewards on every TP rank (a non-deterministic reward must not split them)."""
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(rewards_G, parallel_state.get_tensor_model_parallel_src_rank(),
+                                    group=parallel_state.get_tensor_model_parallel_group())
+    return rewards_G
+
+
+def score_logprobs(model, state, prompt_ids_1S, responses, args) -> list[torch.Tensor]:
+    """Per-response log-probs under ``model`` without a graph, computed exactly as the training
+    forward computes them (replay against ``state``, or the full graph in ``--replay-mode full``)."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(responses), args.replay_micro_batch_size):
+            chunk = responses[start:start + args.replay_micro_batch_size]
+            ids_BR, _ = pad_responses(chunk)
+            hidden_RBH = (replay_hidden(model, state, ids_BR) if args.replay_mode == "longstraw"
+                          else full_graph_hidden(model, prompt_ids_1S, ids_BR))
+            logprobs_RB = response_logprobs(model, hidden_RBH, ids_BR.t())
+            out.extend(logprobs_RB[: r.numel(), i].float() for i, r in enumerate(chunk))
+    return out
+
+
+def _normalizer(responses, args, groups_per_rank: int) -> float:
+    if args.loss_aggregation == "token":
+        return 1.0  # rescaled by the global token count after all groups (module doc)
+    return float(len(responses)) * groups_per_rank
+
+
+def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, generator: torch.Generator,
+                groups_per_rank: int, reference=None, clock: PhaseClock) -> dict:
+    """Process one prompt group, accumulating gradients in ``model``; returns its metrics."""
+    prompt_ids_1S = group.prompt_ids_S[None]
+    with clock("capture"), progress_bar(prompt_ids_1S.shape[1], "capture", args) as bar:
+        state = capture_prompt(model, prompt_ids_1S, args.prompt_chunk_size, progress=bar.update)
+    try:
+        if not group.responses:
+            with clock("rollout"), progress_bar(args.max_response_length, "decode", args) as bar:
+                rollouts = generate_from_state(
+                    model, state, args.num_generations, args.max_response_length, temperature=args.temperature,
+                    top_p=args.top_p, eos_id=eos_id, generator=generator,
+                    progress=lambda p: bar.update(p.step - bar.n))
+                group.responses = [r.to(prompt_ids_1S.device) for r in rollouts.responses]
+        if group.rewards_G is None:
+            with clock("reward"):
+                group.rewards_G = _same_on_tp_ranks(score_group(
+                    reward_fn, group.prompt_ids_S, group.responses, group.answer, group.metadata,
+                    source=group.source).to(prompt_ids_1S.device))
+        advantages_G = group_advantages(group.rewards_G.float(), args.advantage_normalization)
+        with clock("scoring"):
+            old_logprobs = score_logprobs(model, state, prompt_ids_1S, group.responses, args)
+            ref_logprobs = None
+            if reference is not None:
+                ref_state = capture_prompt(reference, prompt_ids_1S, args.prompt_chunk_size)
+                try:
+                    ref_logprobs = score_logprobs(reference, ref_state, prompt_ids_1S, group.responses, args)
+                finally:
+                    ref_state.free()
+        loss_fn = GRPOLoss(
+            old_logprobs, advantages_G.to(old_logprobs[0].device), ref_logprobs=ref_logprobs,
+            normalizer=_normalizer(group.responses, args, groups_per_rank), clip_eps_low=args.clip_eps_low,
+            clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
+            aggregation=args.loss_aggregation)
+        loss_fn.needs_entropy = True  # entropy is always logged (one extra reduction per chunk)
+        with clock("replay"):
+            if args.replay_mode == "longstraw":
+                losses = replay_responses(model, state, group.responses, loss_fn, args.replay_micro_batch_size)
+            else:
+                losses = full_graph_responses(model, prompt_ids_1S, group.responses, loss_fn,
+                                              args.replay_micro_batch_size)
+        state_bytes = state.nbytes()
+    finally:
+        state.free()
+    return _group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, args)
+
+
+def _group_metrics(group, advantages_G, loss_fn, loss, state_bytes, eos_id, args) -> dict:
+    rewards_G = group.rewards_G.float()
+    lengths = torch.tensor([r.numel() for r in group.responses], dtype=torch.float32)
+    ended = [r.numel() > 0 and int(r[-1]) == eos_id for r in group.responses]
+    truncated = [not e and r.numel() >= args.max_response_length for e, r in zip(ended, group.responses)]
+    metrics = {
+        "reward/mean": rewards_G.mean().item(), "reward/std": rewards_G.std(unbiased=False).item(),
+        "reward/min": rewards_G.min().item(), "reward/max": rewards_G.max().item(),
+        "reward/zero_std_groups": float(rewards_G.std(unbiased=False).item() == 0.0),
+        **{f"advantage/{k}": v for k, v in advantage_stats(advantages_G).items()},
+        "loss/sum": loss,
+        "response/length_mean": lengths.mean().item(), "response/length_min": lengths.min().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncation_rate": sum(truncated) / len(truncated),
+        "prompt/length": float(group.prompt_ids_S.numel()), "prompt/state_bytes": float(state_bytes),
+        "tokens/response": lengths.sum().item(),
+    }
+    renamed = {"policy_loss": "loss/policy", "clip_frac_low": "clip/frac_low", "clip_frac_high": "clip/frac_high",
+               "approx_kl": "kl/approx", "ref_kl": "kl/reference", "entropy": "entropy/mean",
+               "ratio_mean": "ratio/mean", "ratio_max": "ratio/max"}
+    for key, value in loss_fn.metrics().items():
+        if key in renamed:
+            metrics[renamed[key]] = value
+    return metrics

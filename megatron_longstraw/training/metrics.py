@@ -1,0 +1,76 @@
+"""A step's metrics over its prompt groups and data-parallel ranks; throughput and MFU."""
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_longstraw.distributed import device
+from megatron_longstraw.longstraw.cost_model import (linear_weight_elements, qwen_prompt_flops,
+                                                     qwen_response_forward_flops)
+
+# summed over the step's groups and ranks; "*_max" / "*_min" and "*/max" / "*/min" keys take the
+# extreme; everything else is the mean over groups
+SUMMED = ("tokens/response", "loss/sum")
+
+
+def _reduction(key: str) -> str:
+    if key in SUMMED:
+        return "sum"
+    if key.endswith(("/max", "_max")):
+        return "max"
+    if key.endswith(("/min", "_min")):
+        return "min"
+    return "mean"
+
+
+def reduce_step_metrics(groups: list[dict]) -> dict:
+    """Reduce this rank's group metrics over the step and the data-parallel ranks (every rank
+    gets the result). Keys are agreed over the ranks first, so a key some rank lacks is fine."""
+    dp_group = parallel_state.get_data_parallel_group()
+    keys = sorted(set().union(*groups))
+    if torch.distributed.get_world_size(dp_group) > 1:
+        every = [None] * torch.distributed.get_world_size(dp_group)
+        torch.distributed.all_gather_object(every, keys, group=dp_group)
+        keys = sorted(set().union(*every))
+    local = torch.tensor([[g.get(k, float("nan")) for k in keys] for g in groups], dtype=torch.float64,
+                         device=device())
+    present = ~local.isnan()
+    sums = torch.cat([local.nan_to_num(0.0).sum(0), present.sum(0).double()])
+    highs = local.nan_to_num(float("-inf")).amax(0)
+    lows = local.nan_to_num(float("inf")).amin(0)
+    if torch.distributed.get_world_size(dp_group) > 1:
+        torch.distributed.all_reduce(sums, group=dp_group)
+        torch.distributed.all_reduce(highs, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+        torch.distributed.all_reduce(lows, op=torch.distributed.ReduceOp.MIN, group=dp_group)
+    out = {}
+    for i, key in enumerate(keys):
+        count = sums[len(keys) + i].item()
+        if count == 0:
+            continue
+        how = _reduction(key)
+        value = {"sum": sums[i], "max": highs[i], "min": lows[i], "mean": sums[i] / count}[how]
+        out[key] = value.item()
+    out["reward/zero_std_frac"] = out.pop("reward/zero_std_groups", float("nan"))
+    return out
+
+
+def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, args) -> dict:
+    """Tokens/s per phase (this rank) and, on a GPU with a Qwen3.5-family model, MFU of capture
+    and replay against ``--peak-tflops``."""
+    prompt_tokens = sum(g["prompt/length"] for g in groups)
+    response_tokens = sum(g["tokens/response"] for g in groups)
+    out = {}
+    for phase, tokens in (("capture", prompt_tokens), ("rollout", response_tokens),
+                          ("scoring", response_tokens), ("replay", response_tokens)):
+        seconds = phase_times.get(f"time/{phase}_s")
+        if seconds:
+            out[f"throughput/{phase}_tokens_per_s"] = tokens / seconds
+    if torch.cuda.is_available() and hf["model_type"].startswith("qwen3_5"):
+        linear = linear_weight_elements(model)
+        capture = sum(qwen_prompt_flops(hf, linear, int(g["prompt/length"])) for g in groups)
+        replay = sum(3 * qwen_response_forward_flops(hf, linear, int(g["prompt/length"]),
+                                                     int(g["tokens/response"])) for g in groups)
+        for phase, flops in (("capture", capture), ("replay", replay)):
+            seconds = phase_times.get(f"time/{phase}_s")
+            if seconds:
+                out[f"mfu/{phase}"] = flops / seconds / (args.peak_tflops * 1e12)
+    return out

@@ -1,0 +1,23 @@
+"""Progress display for long phases (prompt capture, decoding), on rank 0 only."""
+
+import contextlib
+import sys
+
+import torch
+from tqdm import tqdm
+
+# Phases shorter than this many units show no bar (the tiny demo stays quiet).
+MIN_UNITS = 4096
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, phase: str, args):
+    """A tqdm bar over ``total`` units (tokens) on rank 0 when the phase is long; otherwise a bar
+    that only counts. Yields an object with ``update(n)`` and ``n``."""
+    show = torch.distributed.get_rank() == 0 and (
+        getattr(args, "progress", False) or (total >= MIN_UNITS and sys.stderr.isatty()))
+    bar = tqdm(total=total, desc=phase, unit="tok", disable=not show, leave=False, dynamic_ncols=True)
+    try:
+        yield bar
+    finally:
+        bar.close()

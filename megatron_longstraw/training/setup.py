@@ -1,0 +1,100 @@
+"""What ``train_grpo.py`` builds from its arguments: the policy (and frozen reference), the
+tokenizer, the prompt source and the reward function."""
+
+import torch
+
+from megatron_longstraw.checkpointing.model_checkpoint import load_model_checkpoint
+from megatron_longstraw.distributed import device
+from megatron_longstraw.data.external_rollouts import ExternalRolloutDataset
+from megatron_longstraw.data.prompts import PromptDataset, resolve_max_prompt_length
+from megatron_longstraw.data.synthetic import KeyValueRetrievalTask, SyntheticRetrievalDataset
+from megatron_longstraw.data.tokenizer import build_tokenizer
+from megatron_longstraw.models.builder import build_model
+from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.presets import resolve_hf_config
+from megatron_longstraw.rewards.registry import build_reward
+from megatron_longstraw.training.grpo_step import PromptGroup
+
+
+def build_policy(args):
+    """``(hf_config, model, reference or None, tokenizer)``. ``--pretrained-checkpoint`` (a
+    converted Megatron checkpoint) gives the initial weights; the reference is a frozen copy of
+    them, kept only when ``--kl-coef`` > 0."""
+    hf = resolve_hf_config(args.hf_config or args.model)
+    if args.max_position_embeddings:
+        hf["max_position_embeddings"] = args.max_position_embeddings
+    options = ModelOptions(
+        transformer_impl=args.transformer_impl, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe, sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity)
+    model = build_model(hf, options)
+    if args.pretrained_checkpoint:
+        load_model_checkpoint(model, args.pretrained_checkpoint)
+    reference = None
+    if args.kl_coef > 0:
+        reference = build_model(hf, options)
+        reference.load_state_dict(model.state_dict())
+        reference.requires_grad_(False)
+    tokenizer = build_tokenizer(dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                     vocab_size=hf["vocab_size"]))
+    if tokenizer.vocab_size > hf["vocab_size"]:
+        raise ValueError(f"--tokenizer-model: the tokenizer's {tokenizer.vocab_size} ids exceed the model's "
+                         f"vocabulary of {hf['vocab_size']}")
+    return hf, model, reference, tokenizer
+
+
+class PromptSource:
+    """Prompt groups for the trainer from one dataset, with its checkpointable position. Every
+    data-parallel rank walks the same order; rank ``r`` of ``d`` takes items ``r, r + d, ...``."""
+
+    def __init__(self, dataset):
+        from megatron.core import parallel_state
+
+        self.dataset = dataset
+        self.dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=False)
+        self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=False)
+
+    def next_group(self) -> PromptGroup:
+        """This rank's next prompt (with its responses and rewards for external rollouts)."""
+        items = [next(self.dataset) for _ in range(self.dp_size)]
+        item = items[self.dp_rank]
+        group = PromptGroup(item.prompt_ids_P.to(device()), item.answer, item.metadata, source=item.source)
+        if hasattr(item, "responses"):  # external rollouts
+            group.responses = [r.to(device()) for r in item.responses]
+            group.rewards_G = None if item.rewards_G is None else item.rewards_G.to(device())
+        return group
+
+    def state_dict(self) -> dict:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state)
+
+
+def build_prompt_source(args, hf: dict, tokenizer) -> PromptSource:
+    """Synthetic retrieval task, JSONL prompts, or external rollouts (``--rollout-source jsonl``)."""
+    max_prompt = resolve_max_prompt_length(args.max_prompt_length, hf["max_position_embeddings"],
+                                           args.max_response_length)
+    if args.rollout_source == "jsonl":
+        return PromptSource(ExternalRolloutDataset(
+            args.rollout_path, tokenizer, num_generations=args.num_generations, vocab_size=hf["vocab_size"],
+            max_prompt_length=max_prompt, max_response_length=args.max_response_length, seed=args.seed,
+            flag="--rollout-path"))
+    if args.data_path == "synthetic":
+        if args.synthetic_prompt_length > max_prompt:
+            raise ValueError(f"--synthetic-prompt-length {args.synthetic_prompt_length} exceeds the longest "
+                             f"prompt the model takes ({max_prompt})")
+        task = KeyValueRetrievalTask(hf["vocab_size"], args.synthetic_prompt_length,
+                                     num_records=args.synthetic_num_records,
+                                     value_length=args.synthetic_value_length, key_length=1,
+                                     vocab_hi=args.synthetic_vocab_size,
+                                     eos_id=tokenizer.eos_id, seed=args.seed)
+        return PromptSource(SyntheticRetrievalDataset(task, seed=args.seed))
+    return PromptSource(PromptDataset(args.data_path, tokenizer, vocab_size=hf["vocab_size"],
+                                      max_prompt_length=max_prompt, seed=args.seed, flag="--data-path"))
+
+
+def build_reward_fn(args, tokenizer):
+    """The ``--reward-fn`` reward."""
+    return build_reward(args.reward_fn, eos_id=tokenizer.eos_id, tokenizer=tokenizer,
+                        partial_credit=args.reward_partial_credit)

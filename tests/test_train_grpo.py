@@ -1,0 +1,217 @@
+"""The GRPO trainer end to end on CPU: internal and external rollouts, wandb offline files,
+on-policy consistency, exact resume, atomic saves, and bad input at the command line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_grpo
+from megatron_longstraw.testing.wandb_records import find_run_file, read_history
+
+ROOT = Path(__file__).resolve().parents[1]
+# Counted as time, throughput, memory or run bookkeeping; everything else must match exactly.
+NONDETERMINISTIC = ("time/", "throughput/", "mem/", "mfu/", "_")
+REQUIRED = ("reward/mean", "reward/std", "reward/min", "reward/max", "reward/zero_std_frac",
+            "advantage/mean", "advantage/std", "loss/policy", "clip/frac_low", "clip/frac_high",
+            "kl/approx", "entropy/mean", "response/length_mean", "response/truncation_rate",
+            "optim/grad_norm", "optim/lr", "time/capture_s", "time/rollout_s", "time/scoring_s",
+            "time/replay_s", "time/optimizer_s", "throughput/capture_tokens_per_s",
+            "throughput/replay_tokens_per_s", "prompt/length", "prompt/state_bytes")
+
+
+def _args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--train-iters", "4", "--global-batch-size", "2", "--num-generations", "3",
+            "--synthetic-prompt-length", "48", "--prompt-chunk-size", "20", "--max-response-length", "5",
+            "--replay-micro-batch-size", "2", "--lr", "1e-2", "--save", str(tmp_path / "ckpt"),
+            "--wandb-save-dir", str(tmp_path / "wandb"), "--wandb-mode", "offline",
+            "--reward-fn", "reward_fixtures:low_token_fraction", *extra]
+
+
+def _train(argv):
+    args = train_grpo.parse_args(argv)
+    train_grpo.init_distributed(args.parallel, seed=args.seed)
+    try:
+        metrics, model = train_grpo.train(args)
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        train_grpo.destroy_distributed()
+    return metrics, params
+
+
+def _rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _deterministic(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)}
+
+
+def test_internal_rollouts_train_log_to_wandb_and_stay_on_policy(tmp_path):
+    _, params = _train(_args(tmp_path, "--entropy-coef", "0.01", "--kl-coef", "0.05"))
+    history = read_history(find_run_file(tmp_path / "wandb"))
+    assert [row["_step"] for row in history] == [1, 2, 3, 4]
+    missing = [k for k in REQUIRED + ("kl/reference",) if k not in history[-1]]
+    assert not missing, missing
+    for row in history:  # old log-probs are scored exactly as the replay computes them
+        assert row["ratio/max"] == 1.0 and row["kl/approx"] == 0.0
+        assert row["optim/grad_norm"] > 0
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert all(torch.isfinite(p).all() for p in params.values())
+
+
+def test_resume_gives_identical_parameters_and_metrics(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    schedule = ["--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4",
+                "--min-lr", "1e-3", "--kl-coef", "0.05", "--entropy-coef", "0.01"]
+    _, params_straight = _train(_args(straight, *schedule))
+    _train(_args(resumed, "--train-iters", "2", *schedule))
+    _, params_resumed = _train(_args(resumed, "--load", str(resumed / "ckpt"), *schedule))
+    for name, value in params_straight.items():
+        assert torch.equal(value, params_resumed[name]), name
+    rows_straight, rows_resumed = _rows(straight / "wandb"), _rows(resumed / "wandb")
+    assert [r["step"] for r in rows_resumed] == [1, 2, 3, 4]
+    for a, b in zip(rows_straight, rows_resumed):
+        assert _deterministic(a) == _deterministic(b)
+    assert len({r["optim/lr"] for r in rows_straight}) == 4  # the schedule moves every step
+    history = read_history(find_run_file(resumed / "wandb"))  # the resumed run continues the wandb run
+    assert [row["_step"] for row in history][-2:] == [3, 4]
+
+
+def test_external_rollouts_train_end_to_end(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(3):
+        prompt = torch.randint(0, 200, (30 + i,), generator=gen).tolist()
+        responses = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (3, 5, 4)]
+        line = {"prompt_ids": prompt, "responses": responses}
+        if i != 1:
+            line["rewards"] = [0.0, 1.0, 0.5]
+        else:
+            line["answer"] = responses[0]
+        lines.append(json.dumps(line))
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    metrics, _ = _train(_args(tmp_path, "--rollout-source", "jsonl", "--rollout-path", str(path),
+                              "--reward-fn", "exact_match", "--train-iters", "2"))
+    rows = _rows(tmp_path / "wandb")
+    assert len(rows) == 2 and all(r["ratio/max"] == 1.0 for r in rows)
+    assert metrics["reward/max"] == 1.0
+
+
+def _cli(*argv):
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # left by in-process runs
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    env["PYTHONPATH"] = str(ROOT / "tests")  # reward_fixtures
+    return subprocess.run([sys.executable, str(ROOT / "train_grpo.py"), *argv], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tensor-model-parallel-size", "3"], "world size 1 is not divisible"),
+    (["--reward-fn", "reward_fixtures:raises"], "reward backend is down"),
+])
+def test_bad_input_at_the_command_line_is_one_line_and_nonzero(tmp_path, argv, needle):
+    result = _cli(*_args(tmp_path), *argv)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and needle in last, result.stderr[-2000:]
+    assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt"),
+    (["--global-batch-size", "0"], "--global-batch-size"),
+    (["--synthetic-prompt-length", "100000"], "--synthetic-prompt-length 100000"),
+    (["--reward-fn", "no_such_module_xyz:fn"], "--reward-fn"),
+    (["--clip-eps-low", "1.5"], "--clip-eps-low"),
+    (["--reward-fn", "reward_fixtures:nan"], "reward_fixtures:nan"),
+    (["--rollout-source", "jsonl"], "--rollout-path"),
+])
+def test_bad_input_raises_value_error_naming_the_flag(tmp_path, argv, needle):
+    with pytest.raises(ValueError) as err:
+        _train(_args(tmp_path, *argv))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from megatron.core import dist_checkpointing
+
+    _train(_args(tmp_path, "--train-iters", "2"))
+    real_save = dist_checkpointing.save
+
+    def crash(state, folder, *a, **k):
+        real_save(state, folder, *a, **k)
+        raise RuntimeError("simulated crash after writing the shards")
+
+    monkeypatch.setattr(dist_checkpointing, "save", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _train(_args(tmp_path, "--train-iters", "3", "--load", str(tmp_path / "ckpt")))
+    monkeypatch.setattr(dist_checkpointing, "save", real_save)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert not (tmp_path / "ckpt" / "iter_0000003").exists()
+    _train(_args(tmp_path, "--train-iters", "3", "--load", str(tmp_path / "ckpt")))
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    _train(_args(tmp_path, "--train-iters", "1"))
+    for shard in (tmp_path / "ckpt" / "iter_0000001").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    result = _cli(*_args(tmp_path, "--train-iters", "2", "--load", str(tmp_path / "ckpt")))
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --load") and "corrupt" in last, result.stderr[-2000:]
+
+
+def _rollout_file(tmp_path: Path) -> Path:
+    gen = torch.Generator().manual_seed(1)
+    lines = []
+    for i in range(2):
+        prompt = torch.randint(0, 200, (25 + 7 * i,), generator=gen).tolist()
+        responses = [torch.randint(0, 200, (n + 2 * i,), generator=gen).tolist() for n in (3, 6, 4)]
+        lines.append(json.dumps({"prompt_ids": prompt, "responses": responses, "rewards": [0.0, 1.0, 0.25 * i]}))
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_data_parallel_step_equals_one_process_on_the_same_global_batch(tmp_path, aggregation):
+    """DP=2 (one group per rank, DDP averaging) vs one process with both groups: the same loss
+    and gradient norm, hence the same normalization (groups of different lengths)."""
+    from megatron_longstraw.testing.multiprocess import run_multiprocess
+    from megatron_longstraw.testing.trainer_runs import train_worker
+
+    path = _rollout_file(tmp_path)
+    argv = ["--train-iters", "1", "--global-batch-size", "2", "--num-generations", "3", "--no-save",
+            "--wandb-mode", "disabled", "--wandb-save-dir", str(tmp_path / "w"), "--rollout-source", "jsonl",
+            "--rollout-path", str(path), "--reward-fn", "exact_match", "--loss-aggregation", aggregation,
+            "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2"]
+    (single,) = run_multiprocess(train_worker, 1, argv)
+    pair = run_multiprocess(train_worker, 2, argv)
+    for key in ("loss/total", "optim/grad_norm", "tokens/response", "reward/mean", "reward/max"):
+        a, b = single["metrics"][key], pair[0]["metrics"][key]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
+    assert pair[0]["metrics"]["optim/grad_norm"] > 0
+    # at ratio 1 each token's surrogate is -A: the step loss is exactly the global token (or
+    # sequence) mean of -A, whatever the group lengths
+    from megatron_longstraw.grpo.advantages import group_advantages
+
+    terms, weights = [], []
+    for line in path.read_text().splitlines():
+        group = json.loads(line)
+        advantages = group_advantages(torch.tensor(group["rewards"]), "group-std")
+        for a, response in zip(advantages.tolist(), group["responses"]):
+            n = len(response) if aggregation == "token" else 1
+            terms.append(-a * n)
+            weights.append(n)
+    expected = sum(terms) / sum(weights)
+    assert abs(single["metrics"]["loss/total"] - expected) <= 1e-6, (single["metrics"]["loss/total"], expected)
+    for name, value in pair[0]["params"].items():
+        assert (value == pair[1]["params"][name]).all(), name  # ranks stay in sync
