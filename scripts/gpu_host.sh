@@ -4,6 +4,7 @@
 #   call 1 (carry .whl-a):  bash scripts/gpu_host.sh install-a
 #   call 2 (carry .whl-b):  bash scripts/gpu_host.sh run [pytest -k EXPR ...]
 #   later calls:            bash scripts/gpu_host.sh bench [tools/bench_longstraw.py args ...]
+#                           bash scripts/gpu_host.sh train [train_grpo.py args ...]
 # `run` installs .whl-b, runs the GPU test tier (tests marked gpu), then prints a short table.
 # `bench` runs the LongStraw benchmark into $OUT/bench (copy it into docs/ afterwards).
 # Wheels come from ../shared/offline-gpu/fetch-wheels.sh, run here in the repo root.
@@ -55,5 +56,21 @@ case "${1:-}" in
     export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     [ -d /tmp/te-site ] && export PYTHONPATH=/tmp/te-site:$PYTHONPATH
     timeout "$limit" python3 tools/bench_longstraw.py --output-dir "${OUT:-/tmp}/bench" "$@" 2>&1 | grep -v -i "warn\|deprecated" ;;
-  *) echo "usage: bash scripts/gpu_host.sh install-a | run [pytest args] | bench [bench args]" >&2; exit 2 ;;
+  train)
+    shift
+    trap save_cache EXIT
+    [ -d .whl-b ] && install .whl-b
+    export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    [ -d /tmp/te-site ] && export PYTHONPATH=/tmp/te-site:$PYTHONPATH
+    out=${OUT:-/tmp}/train
+    mkdir -p "$out"
+    set +e
+    timeout "$limit" python3 train_grpo.py --no-save --wandb-save-dir "$out" --log-interval 10 "$@" 2>&1 \
+      | grep -v -i "warn\|deprecated"
+    status=${PIPESTATUS[0]}
+    set -e
+    python3 tools/plot_metrics.py "$out/metrics.jsonl" --keys reward/mean,entropy/mean \
+      --output "$out/learning_curve.png" --title "train_grpo.py $*" || true
+    exit "$status" ;;
+  *) echo "usage: bash scripts/gpu_host.sh install-a | run [pytest args] | bench [bench args] | train [args]" >&2; exit 2 ;;
 esac

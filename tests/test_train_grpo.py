@@ -62,6 +62,20 @@ def test_internal_rollouts_train_log_to_wandb_and_stay_on_policy(tmp_path):
         assert row["optim/grad_norm"] > 0
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert all(torch.isfinite(p).all() for p in params.values())
+    # the trained weights leave as an HF checkpoint (tools/convert_checkpoint.py reads trainer saves)
+    sys.path.insert(0, str(ROOT / "tools"))
+    import convert_checkpoint
+    from megatron_longstraw.models.presets import resolve_hf_config
+    from megatron_longstraw.models.qwen3_5 import mcore_to_hf
+    from safetensors.torch import load_file
+
+    assert convert_checkpoint.main(["mcore-to-hf", "--load", str(tmp_path / "ckpt"), "--save",
+                                    str(tmp_path / "hf"), "--no-progress"]) == 0
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    expected = mcore_to_hf(params, resolve_hf_config("qwen3.5-debug"), checkpoint_layout=True)
+    assert set(exported) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
 
 
 def test_resume_gives_identical_parameters_and_metrics(tmp_path):
