@@ -41,7 +41,9 @@ def test_decode_attention_fused_matches_math(monkeypatch, backend, dim, batch, p
     assert error < 1e-2, error
 
 
-@pytest.mark.parametrize("preset,dtype", [("qwen3.5-debug", torch.bfloat16), ("qwen3.5-debug", torch.float32)])
+# bf16 only: fp32 would compile a second set of fla kernels (minutes of device time); fp32
+# exactness of decoding is checked on CPU (tests/test_rollout.py)
+@pytest.mark.parametrize("preset,dtype", [("qwen3.5-debug", torch.bfloat16)])
 def test_rollout_matches_full_forward(single_process, preset, dtype, record_property):
     """Sampled rollouts of 4 samples after a 1000-token prompt: every step's logits against the full
     forward of prompt + that sample's tokens so far (fla and fused attention; fp32 runs the prompt
