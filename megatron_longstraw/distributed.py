@@ -52,6 +52,9 @@ class ParallelSizes:
         return data
 
 
+_OWN_ENV: dict[str, str] = {}  # rendezvous variables set by init_distributed, removed on destroy
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -73,10 +76,13 @@ def init_distributed(sizes: ParallelSizes = ParallelSizes(), seed: int = 1234,
     """
     apply_patches()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if "RANK" not in os.environ:  # a plain single process: rendezvous with itself
+            own = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": str(_free_port())}
+            if "MASTER_ADDR" not in os.environ:
+                own["MASTER_ADDR"] = "127.0.0.1"
+            own = {k: v for k, v in own.items() if k not in os.environ}
+            os.environ.update(own)
+            _OWN_ENV.update(own)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
@@ -109,3 +115,7 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    for key, value in list(_OWN_ENV.items()):  # child processes must not inherit a stale rendezvous
+        if os.environ.get(key) == value:
+            del os.environ[key]
+        del _OWN_ENV[key]

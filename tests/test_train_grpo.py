@@ -229,3 +229,26 @@ def test_data_parallel_step_equals_one_process_on_the_same_global_batch(tmp_path
     assert abs(single["metrics"]["loss/total"] - expected) <= 1e-6, (single["metrics"]["loss/total"], expected)
     for name, value in pair[0]["params"].items():
         assert (value == pair[1]["params"][name]).all(), name  # ranks stay in sync
+
+
+def test_context_parallel_step_equals_one_process(tmp_path):
+    """CP=2 (prompt state sharded over 2 ranks, response replicated, DDP over DP x CP) vs CP=1:
+    the same loss and gradient norm, and both CP ranks end with the same parameters."""
+    from megatron_longstraw.testing.multiprocess import run_multiprocess
+    from megatron_longstraw.testing.trainer_runs import train_worker
+
+    path = _rollout_file(tmp_path)
+    argv = ["--train-iters", "1", "--global-batch-size", "2", "--num-generations", "3", "--no-save",
+            "--wandb-mode", "disabled", "--wandb-save-dir", str(tmp_path / "w"), "--rollout-source", "jsonl",
+            "--rollout-path", str(path), "--reward-fn", "exact_match", "--prompt-chunk-size", "16",
+            "--replay-micro-batch-size", "2"]
+    (single,) = run_multiprocess(train_worker, 1, argv)
+    pair = run_multiprocess(train_worker, 2, argv + ["--context-parallel-size", "2"])
+    for key in ("loss/total", "optim/grad_norm", "tokens/response", "prompt/state_bytes"):
+        a, b = single["metrics"][key], pair[0]["metrics"][key]
+        if key == "prompt/state_bytes":
+            assert b < a  # each CP rank keeps only its shard of the pages
+            continue
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
+    for name, value in pair[0]["params"].items():
+        assert (value == pair[1]["params"][name]).all(), name

@@ -5,7 +5,8 @@ Megatron's local ``DotProductAttention`` materializes the full score matrix and 
 K/V pages live: it receives post-RoPE queries, keys and values, so in capture it appends the
 chunk's keys/values to the pages and in replay attends over them (``prefix_attention``). In
 decode each sample appends its new token's keys/values to its own pages and attends over the
-shared prompt pages plus its own (``decode_attention``).
+shared prompt pages plus its own (``decode_attention``). Under context parallelism the pages
+are sharded over the CP group and capture/replay merge every rank's part (``cp_attention``).
 """
 
 from dataclasses import dataclass, field
@@ -18,9 +19,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_longstraw.attention.cp_attention import cp_capture_attention, cp_prefix_causal_attention
 from megatron_longstraw.attention.decode_attention import decode_attention
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
 from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
+from megatron_longstraw.longstraw.context_parallel import context_parallel_group
 from megatron_longstraw.longstraw.state import LayerState
 
 
@@ -67,6 +70,8 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
     returns ``[s, b, heads * d_v]`` like Megatron's ``DotProductAttention``.
     """
 
+    supports_context_parallel = True
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -107,6 +112,9 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
             raise ValueError("SDPACoreAttention: packed sequences are not supported")
         binding = self.longstraw
         seq, batch = query.shape[0], query.shape[1]
+        cp_group = context_parallel_group() if binding is not None else None
+        if cp_group is not None:
+            return self._forward_context_parallel(query, key, value, binding, cp_group).reshape(seq, batch, -1)
         if binding is not None and binding.mode in (Mode.CAPTURE, Mode.REPLAY):
             prefix_k, prefix_v = binding.state.keys_values()
             out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale)
@@ -128,3 +136,23 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
             enable_gqa=q_BHSD.shape[1] != k_BGSD.shape[1],
         )
         return out_BHSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _forward_context_parallel(self, query, key, value, binding, cp_group):
+        """Capture / replay with the pages sharded over ``cp_group``; ``[s, b, heads, d_v]``."""
+        if binding.mode == Mode.CAPTURE:
+            if binding.shard_sizes is None:
+                raise ValueError("SDPACoreAttention: capture under context parallelism needs the "
+                                 "chunk's shard sizes (use capture_prompt)")
+            prefix_k, prefix_v = binding.state.keys_values()
+            out_SBHD = cp_capture_attention(query, key, value, prefix_k, prefix_v, binding.shard_sizes,
+                                            self.softmax_scale, cp_group)
+            binding.state.append(key, value)
+            return out_SBHD
+        if binding.mode == Mode.REPLAY:
+            prefix_k, prefix_v = binding.state.keys_values()
+            return cp_prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
+                                              cp_group)
+        what = ("decoding (rollouts) from a CP-sharded prompt state" if binding.mode == Mode.DECODE
+                else "the full-graph baseline (--replay-mode full)")
+        raise ValueError(f"SDPACoreAttention: {what} is not supported with --context-parallel-size "
+                         f"{cp_group.size()} > 1 yet")

@@ -39,12 +39,19 @@ class Binding:
     state: Optional[LayerState]
     position_offset: int = 0      # position of this forward's first token
     prefix_length: int = 0        # REFERENCE: prompt tokens at the start of the sequence
+    shard_sizes: Optional[tuple[int, ...]] = None  # CAPTURE under CP: this chunk's tokens per CP
+    # rank (rank r feeds shard r); None without context parallelism (``context_parallel.py``)
 
 
 class StatefulModule:
-    """Mixin for modules that keep prompt state; ``longstraw`` is ``None`` unless bound."""
+    """Mixin for modules that keep prompt state; ``longstraw`` is ``None`` unless bound.
+
+    ``supports_context_parallel``: the layer can capture/replay with its prompt state sharded
+    over the CP group (``longstraw/context_parallel.py``).
+    """
 
     longstraw: Optional[Binding] = None
+    supports_context_parallel: bool = False
 
     def new_prompt_state(self, prompt_length: int, batch: int, device) -> LayerState:
         """An empty state for a prompt of ``prompt_length`` tokens (this rank's share)."""
@@ -83,7 +90,8 @@ def check_state_matches(model, state: Union[PromptState, "DecodeState"], modules
 
 @contextlib.contextmanager
 def bind(model, mode: Mode, state: Union[PromptState, "DecodeState", None] = None, *,
-         position_offset: int = 0, prefix_length: int = 0):
+         position_offset: int = 0, prefix_length: int = 0,
+         shard_sizes: Optional[tuple[int, ...]] = None):
     """Bind every stateful module of ``model`` for the block; restores the previous binding on exit.
 
     Keep backward inside the block when activations are recomputed (``--recompute-granularity``):
@@ -95,7 +103,7 @@ def bind(model, mode: Mode, state: Union[PromptState, "DecodeState", None] = Non
     previous = {name: module.longstraw for name, module in modules.items()}
     for name, module in modules.items():
         module.longstraw = Binding(mode, state.layers[name] if state is not None else None,
-                                   position_offset, prefix_length)
+                                   position_offset, prefix_length, shard_sizes)
     try:
         yield
     finally:

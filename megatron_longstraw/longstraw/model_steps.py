@@ -20,10 +20,14 @@ def decode(model, hidden_SBH: torch.Tensor, offset: int) -> torch.Tensor:
     """Run the decoder (ending with its final norm) on ``hidden`` at positions ``offset...``.
 
     Models whose attention computes its own RoPE (MLA) read the offset from their binding.
+    Under context parallelism the caller feeds this rank's own tokens at their own positions,
+    so Megatron's CP slicing of the rotary table is turned off (``packed_seq=True`` does only
+    that in ``RotaryEmbedding.forward``).
     """
     rotary = None
     if getattr(model, "rotary_pos_emb", None) is not None:
-        rotary = model.rotary_pos_emb(hidden_SBH.shape[0], offset=offset)
+        cp = parallel_state.get_context_parallel_world_size() > 1
+        rotary = model.rotary_pos_emb(hidden_SBH.shape[0], offset=offset, packed_seq=cp)
     return model.decoder(hidden_states=hidden_SBH, attention_mask=None, rotary_pos_emb=rotary)
 
 

@@ -4,7 +4,7 @@ Each layer kind's container lives with the layer that owns it (``attention/sdpa_
 K/V pages; ``models/gated_delta_net.py``: recurrent state and conv tail; the GLM-5 layers: MLA
 latent and DSA indexer keys). Every container knows its tensors, size in bytes and device, and
 can be freed or moved (room for CPU offload with layer-wise staging). Under TP a rank holds its
-own heads only; under CP a rank will hold its own shard of the pages.
+own heads only; under CP a rank holds its own shard of the pages (``context_parallel.py``).
 """
 
 from dataclasses import dataclass, field, fields

@@ -6,15 +6,25 @@ steps with the kernels' state inputs/outputs in use: capture carries the fp32 re
 the conv tail from chunk to chunk; replay starts every response from the detached prompt state;
 decode carries each sample's own copy of the state (``new_decode_state``) from token to token;
 the reference mode detaches the prompt rows of everything that forms that state.
+
+Under context parallelism (``longstraw/context_parallel.py``) the bound forward keeps every head
+on every CP rank (Megatron's own CP splits heads by all-to-all; LongStraw shards the sequence):
+capture hands the recurrent state and the conv tail across the chunk's CP shards exactly
+(``_capture_cp_*``), so the state after the prompt is replicated on every CP rank and replay
+runs unchanged (each rank replays the whole, replicated, response).
 """
+
+import contextlib
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.ssm.gated_delta_net import gdn as mcore_gdn
 
 from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
+from megatron_longstraw.longstraw.context_parallel import all_gather_rows, context_parallel_group
 from megatron_longstraw.longstraw.state import LayerState
 
 
@@ -32,8 +42,53 @@ def _batch_to(state: torch.Tensor, batch: int) -> torch.Tensor:
     return state if state.shape[0] == batch else state.expand(batch, *state.shape[1:]).contiguous()
 
 
+def _capture_cp_conv(tail_BCW: torch.Tensor, qkv_BSC: torch.Tensor, shard_sizes, group):
+    """Conv tails across a chunk's CP shards: ``(this shard's initial tail, the chunk's final
+    tail)``, both ``[b, channels, kernel - 1]``, from the tail before the chunk and every shard's
+    last ``kernel - 1`` conv inputs (all-gathered; shards shorter than that pass on part of it)."""
+    width = tail_BCW.shape[-1]
+    rank = dist.get_rank(group)
+    lasts = all_gather_rows(qkv_BSC[:, -width:], tuple(min(n, width) for n in shard_sizes), group, dim=1)
+    own = None
+    for r, last_BSC in enumerate(lasts):
+        if r == rank:
+            own = tail_BCW
+        tail_BCW = torch.cat([tail_BCW, last_BSC.transpose(1, 2).to(tail_BCW.dtype)], dim=-1)[..., -width:]
+    return own, tail_BCW
+
+
+def _capture_cp_recurrent(start_BHKV: torch.Tensor, transition_BHKX: torch.Tensor, value_dim: int, group):
+    """Recurrent states across a chunk's CP shards: ``(this shard's start state, the chunk's
+    final state)`` from the state before the chunk and every shard's transition
+    ``[B | A]`` (``S_end = A S_start + B``), all-gathered and folded in rank order (so every rank
+    computes the same final state, bit for bit)."""
+    rank = dist.get_rank(group)
+    parts = [torch.empty_like(transition_BHKX) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, transition_BHKX.contiguous(), group=group)
+    compute = torch.promote_types(transition_BHKX.dtype, torch.float32)
+    state = start_BHKV.to(compute)
+    own = None
+    for r, part in enumerate(parts):
+        if r == rank:
+            own = state
+        b_BHKV, a_BHKK = part.to(compute).split([value_dim, part.shape[-1] - value_dim], dim=-1)
+        state = a_BHKK @ state + b_BHKV
+    return own, state
+
+
 class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
     """Megatron ``GatedDeltaNet`` that can start from / hand on a prompt state."""
+
+    supports_context_parallel = True
+
+    @contextlib.contextmanager
+    def _whole_heads(self):
+        """Megatron's input preparation with every (TP-local) head: LongStraw's CP shards tokens."""
+        cp_size, self.cp_size = self.cp_size, 1
+        try:
+            yield
+        finally:
+            self.cp_size = cp_size
 
     def new_prompt_state(self, prompt_length: int, batch: int, device) -> GatedDeltaState:
         """Zero state (the state before any token)."""
@@ -58,41 +113,79 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         if binding is None:
             return super().forward(hidden_states, attention_mask, inference_context, packed_seq_params,
                                    sequence_len_offset, inference_params=inference_params, **kwargs)
-        if self.cp_size > 1 or packed_seq_params is not None:
-            raise ValueError("LongStraw Gated DeltaNet: context parallelism and packed sequences "
-                             "are not supported in capture/replay yet")
+        if packed_seq_params is not None:
+            raise ValueError("LongStraw Gated DeltaNet: packed sequences are not supported in "
+                             "capture/replay")
         mode, state = binding.mode, binding.state
+        cp_group = context_parallel_group()
+        cp_capture = cp_group is not None and mode == Mode.CAPTURE
+        if cp_group is not None and mode == Mode.REFERENCE:
+            raise ValueError(f"LongStraw Gated DeltaNet: the full-graph baseline (--replay-mode full) "
+                             f"is not supported with --context-parallel-size {cp_group.size()} > 1")
+        if cp_capture and binding.shard_sizes is None:
+            raise ValueError("LongStraw Gated DeltaNet: capture under context parallelism needs the "
+                             "chunk's shard sizes (use capture_prompt)")
         prefix = binding.prefix_length if mode == Mode.REFERENCE else 0
         stateful = mode in (Mode.CAPTURE, Mode.REPLAY, Mode.DECODE)  # starts from the state
         updates = mode in (Mode.CAPTURE, Mode.DECODE)  # hands its final state on
 
         qkvzba_BSX = self.in_proj(hidden_states)[0].transpose(0, 1)
         batch, seq_len = qkvzba_BSX.shape[:2]
-        qkv, gate, beta, alpha = torch.split(qkvzba_BSX, self.feat_dim_split, dim=-1)
+        # Megatron's feat_dim_split divides by the CP size (its CP splits heads); every head is local here
+        heads_v = self.num_value_heads // self.tp_size
+        split = (self.qk_dim_local_tp * 2 + self.v_dim_local_tp, self.v_dim_local_tp, heads_v, heads_v)
+        qkv, gate, beta, alpha = torch.split(qkvzba_BSX, split, dim=-1)
         gate = gate.reshape(batch, seq_len, -1, self.value_head_dim)
 
-        conv_state = None
+        conv_state = chunk_tail = None
         if stateful:  # fla's conv state is [b, channels, kernel]
             tail = _batch_to(state.conv_tail_BCW, batch)
+            if cp_capture:
+                tail, chunk_tail = _capture_cp_conv(tail, qkv, binding.shard_sizes, cp_group)
             conv_state = torch.cat([tail.new_zeros(batch, tail.shape[1], 1), tail], dim=-1)
         qkv, conv_final = mcore_gdn.causal_conv1d(
             x=detach_prefix(qkv, prefix, 1), weight=self.conv1d.weight.squeeze(1),
             bias=self.conv1d.bias if self.conv_bias else None, activation=self.activation,
             initial_state=conv_state, output_final_state=updates,
         )
-        query, key, value, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(
-            qkv, gate, batch, seq_len, beta, alpha)
+        with self._whole_heads():
+            query, key, value, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(
+                qkv, gate, batch, seq_len, beta, alpha)
         g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
         key, value, g, beta = (detach_prefix(t, prefix, 1) for t in (key, value, g, beta))
 
-        recurrent = _batch_to(state.recurrent_BHKV, batch) if stateful else None
-        core_out, recurrent_final = self.gated_delta_rule(
-            query, key, value, g=g, beta=beta, initial_state=recurrent,
-            output_final_state=updates, use_qk_l2norm_in_kernel=False,
-        )
+        if cp_capture:
+            core_out, recurrent_final = self._capture_cp_delta_rule(query, key, value, g, beta, state, cp_group)
+        else:
+            recurrent = _batch_to(state.recurrent_BHKV, batch) if stateful else None
+            core_out, recurrent_final = self.gated_delta_rule(
+                query, key, value, g=g, beta=beta, initial_state=recurrent,
+                output_final_state=updates, use_qk_l2norm_in_kernel=False,
+            )
         if updates:
             state.recurrent_BHKV.copy_(recurrent_final)
-            state.conv_tail_BCW.copy_(conv_final[:, :, 1:])
+            state.conv_tail_BCW.copy_(conv_final[:, :, 1:] if chunk_tail is None else chunk_tail)
 
-        norm_out = self._gated_norm_and_a2a(core_out, gate, None, batch, seq_len, None)
-        return self.out_proj(norm_out)
+        # Megatron's _gated_norm_and_a2a without its CP all-to-all (every head is local here)
+        norm_out = self._apply_gated_norm(core_out, gate).reshape(batch, seq_len, -1)
+        return self.out_proj(norm_out.transpose(0, 1).contiguous())
+
+    def _capture_cp_delta_rule(self, query, key, value, g, beta, state, cp_group):
+        """The delta rule on this rank's shard of a chunk, exact across the CP shards (see the
+        module doc of ``longstraw/context_parallel.py``): one kernel call from ``[0 | I]`` with
+        values ``[v | 0]`` gives the zero-start output, ``w_t = scale A_t^T q_t``, and the shard's
+        transition ``[B | A]``; the start state from the fold corrects the output."""
+        batch, _, heads, dim_k = key.shape
+        dim_v = value.shape[-1]
+        eye = torch.eye(dim_k, dtype=torch.float32, device=key.device)
+        start_BHKX = torch.cat([key.new_zeros(batch, heads, dim_k, dim_v, dtype=torch.float32),
+                                eye.expand(batch, heads, dim_k, dim_k)], dim=-1).contiguous()
+        value_aug = torch.cat([value, value.new_zeros(*value.shape[:-1], dim_k)], dim=-1)
+        out_aug, transition = self.gated_delta_rule(
+            query, key, value_aug, g=g, beta=beta, initial_state=start_BHKX,
+            output_final_state=True, use_qk_l2norm_in_kernel=False,
+        )
+        out0_BSHV, w_BSHK = out_aug.split([dim_v, dim_k], dim=-1)
+        own_start, final = _capture_cp_recurrent(state.recurrent_BHKV, transition, dim_v, cp_group)
+        correction = torch.einsum("bhkv,bshk->bshv", own_start, w_BSHK.to(own_start.dtype))
+        return (out0_BSHV.to(own_start.dtype) + correction).to(out0_BSHV.dtype), final

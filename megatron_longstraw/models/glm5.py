@@ -188,6 +188,11 @@ def transformer_config(hf: dict, options: ModelOptions) -> MLATransformerConfig:
     kwargs = options.config_kwargs()
     tp, ep = kwargs["tensor_model_parallel_size"], kwargs["expert_model_parallel_size"]
     tp_flag = "--tensor-model-parallel-size"
+    if kwargs["context_parallel_size"] > 1:
+        raise ValueError(
+            f"--context-parallel-size {kwargs['context_parallel_size']}: GLM-5's layer kinds (MLA "
+            "latents, LongStrawAbsorbedMLASelfAttention; DSA indexer keys, LongStrawDSAIndexer) cannot "
+            "shard their LongStraw prompt state over the CP group yet; use --context-parallel-size 1")
     for field in ("num_attention_heads", "intermediate_size", "moe_intermediate_size",
                   "vocab_size", "q_lora_rank"):
         _check_divisible(hf[field], field, tp, tp_flag)

@@ -208,9 +208,15 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.sequence_parallel:
         raise ValueError("--sequence-parallel is not supported by LongStraw capture/replay yet (the "
                          "decoder's sequence shards break the prompt-boundary rows); leave it off")
-    if args.parallel.context > 1 or args.parallel.pipeline > 1:
-        raise ValueError("--context-parallel-size and --pipeline-model-parallel-size > 1 are not "
-                         "supported by the trainer yet (LongStraw CP and PP are in progress)")
+    if args.parallel.pipeline > 1:
+        raise ValueError("--pipeline-model-parallel-size > 1 is not supported by the trainer yet "
+                         "(LongStraw PP is in progress)")
+    if args.parallel.context > 1 and args.rollout_source != "jsonl":
+        raise ValueError("--context-parallel-size > 1 needs --rollout-source jsonl for now: decoding "
+                         "from a CP-sharded prompt state is not implemented yet")
+    if args.parallel.context > 1 and args.replay_mode != "longstraw":
+        raise ValueError("--context-parallel-size > 1 needs --replay-mode longstraw (the full-graph "
+                         "baseline has no CP path)")
     return args
 
 

@@ -1,0 +1,155 @@
+"""Context parallelism (CP) for LongStraw: the prompt state sharded over the CP group.
+
+Layout ("pages stay, queries travel"). The prompt is cut into global chunks of
+``--prompt-chunk-size`` tokens (a last chunk shorter than the CP size is folded into the one
+before it), and every chunk into ``cp`` contiguous shards of near-equal size (the first
+``n % cp`` shards one token longer), shard ``r`` going to CP rank ``r``. All ranks capture their
+shard of a chunk at the same time; a rank keeps the full-attention K/V pages of its shards only,
+so the pages per rank are ``~prompt / cp`` rows. With one chunk (chunk size >= prompt) the
+shards are plain contiguous shards of the prompt; with smaller chunks each rank's pages are its
+shard of every chunk (the order of pages does not matter: the whole prompt is visible to every
+later token). Contiguous shards of each chunk, rather than Megatron's load-balanced
+2 x cp halves, keep the per-chunk capture simple and make Gated DeltaNet's cross-shard state
+exact with one sequential fold (below); the attention work of a chunk is balanced anyway,
+because each rank attends *every* query of the chunk over its own pages.
+
+Per layer kind:
+
+- Full attention (``attention/cp_attention.py``). Capture: the chunk's queries are all-gathered
+  (chunk-sized), each rank computes the partial output and log-sum-exp of all of them over its
+  own pages plus its own shard of the chunk's keys (causally), and one all-reduce merges the
+  partials exactly (global max and sum of exponentials). No rank ever holds another rank's
+  pages. Replay: the response is replicated on every CP rank; each rank attends the response
+  queries over its own pages, the partials merge the same way, and the response's causal part
+  over itself is computed on every rank. Backward all-reduces the queries' gradient from the
+  prompt parts, so every CP rank ends with exactly the CP=1 gradient (see below).
+- Gated DeltaNet (``models/gated_delta_net.py``). The delta rule is linear in the state:
+  over a shard, ``S_end = A S_start + B`` with ``A`` ``[d_k, d_k]`` per head. One kernel call from
+  the state ``[0 | I]`` with values ``[v | 0]`` yields ``B`` and ``A`` (final state) and, per
+  token, the zero-start output plus ``w_t = scale A_t^T q_t``, so the exact output is
+  ``o_t + S_start^T w_t``. Ranks all-gather ``(A, B)`` and fold them in rank order from the
+  chunk's start state: every rank gets its shard's start state and the same final state, which
+  is therefore replicated on every CP rank (it is small: ``heads x d_k x d_v``). The conv tail
+  is handed on the same way (all-gather of each shard's last ``kernel - 1`` inputs).
+
+Gradients under CP. Megatron's DDP averages gradients over the DP x CP group. In replay every
+CP rank runs the same (replicated) response and, thanks to the all-reduce of the query gradient
+inside the attention merge, holds the *full* CP=1 gradient; the average over CP is then that
+gradient. A loss must therefore not be scaled by the CP size (Megatron's pretraining schedule
+multiplies its loss by ``cp`` because there each rank sees only a shard of the tokens).
+
+Not yet under CP: layer kinds other than full attention (``SDPACoreAttention``) and Gated
+DeltaNet (GLM-5's MLA latents and DSA indexer keys), prompt batches larger than one, decoding
+(rollouts) from a CP-sharded state, and the full-graph baseline (``Mode.REFERENCE``); each
+raises ``ValueError``.
+"""
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def context_parallel_group():
+    """Megatron's CP group when its size is > 1, else ``None``."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
+
+
+def shard_plan(prompt_length: int, chunk_size: int, cp: int) -> list[tuple[int, tuple[int, ...]]]:
+    """``[(chunk start, shard sizes per CP rank)]`` for a prompt (see the module doc).
+
+    Every shard has at least one token: ``ValueError`` when the prompt or the chunk size is
+    shorter than the CP size.
+    """
+    if prompt_length < cp:
+        raise ValueError(f"a prompt of {prompt_length} tokens cannot be split over "
+                         f"--context-parallel-size {cp} (every CP rank needs at least one token)")
+    if chunk_size < cp:
+        raise ValueError(f"--prompt-chunk-size {chunk_size} must be >= --context-parallel-size {cp} "
+                         "(every CP rank captures a shard of each chunk)")
+    bounds = list(range(0, prompt_length, chunk_size)) + [prompt_length]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < cp:
+        del bounds[-2]  # fold a too-short last chunk into the one before
+    plan = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        n = end - start
+        plan.append((start, tuple(n // cp + (r < n % cp) for r in range(cp))))
+    return plan
+
+
+def all_gather_rows(x: torch.Tensor, sizes: tuple[int, ...], group, dim: int = 0) -> list[torch.Tensor]:
+    """Every rank's ``x`` (``sizes[r]`` rows along ``dim`` on rank ``r``), in rank order; no autograd."""
+    longest = max(sizes)
+    pad = longest - x.shape[dim]
+    if pad:
+        shape = list(x.shape)
+        shape[dim] = pad
+        x = torch.cat([x, x.new_zeros(shape)], dim=dim)
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return [p.narrow(dim, 0, n) for p, n in zip(parts, sizes)]
+
+
+def broadcast_from_last(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` of the group's last rank, on every rank (same shape and dtype everywhere)."""
+    x = x.contiguous()
+    dist.broadcast(x, src=dist.get_global_rank(group, dist.get_world_size(group) - 1), group=group)
+    return x
+
+
+def check_context_parallel_support(model) -> None:
+    """``ValueError`` naming the first stateful layer kind that cannot shard its prompt state."""
+    from megatron_longstraw.longstraw.binding import stateful_modules
+
+    cp = parallel_state.get_context_parallel_world_size()
+    for name, module in stateful_modules(model).items():
+        if not getattr(module, "supports_context_parallel", False):
+            raise ValueError(
+                f"--context-parallel-size {cp}: layer kind {type(module).__name__} ({name}) cannot "
+                "shard its prompt state over the CP group yet; CP capture/replay supports full "
+                "attention (SDPACoreAttention) and Gated DeltaNet (Qwen3.5) only")
+
+
+@torch.no_grad()
+def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
+                      progress: Optional[Callable[[int], object]] = None):
+    """``capture_prompt`` over the CP group: this rank captures its shard of every chunk.
+
+    Call on every CP rank with the same ``prompt_ids_BS`` (batch 1). The returned state holds
+    this rank's pages, the (replicated) Gated DeltaNet state after the whole prompt, and the last
+    prompt position's hidden state and logits (broadcast from the last CP rank).
+    """
+    from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
+    from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, embed, output_logits
+    from megatron_longstraw.longstraw.state import PromptState
+
+    group = context_parallel_group()
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    check_context_parallel_support(model)
+    batch, length = prompt_ids_BS.shape
+    if batch != 1:
+        raise ValueError(f"--context-parallel-size {cp}: capture needs a prompt batch of 1, got {batch}")
+    plan = shard_plan(length, chunk_size, cp)
+    local_length = sum(sizes[rank] for _, sizes in plan)
+    state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
+    for name, module in stateful_modules(model).items():
+        state.layers[name] = module.new_prompt_state(local_length, batch, prompt_ids_BS.device)
+    final_norm = FinalNormInput(model)
+    try:
+        for chunk_start, sizes in plan:
+            start = chunk_start + sum(sizes[:rank])
+            ids = prompt_ids_BS[:, start:start + sizes[rank]]
+            with bind(model, Mode.CAPTURE, state, position_offset=start, shard_sizes=sizes):
+                hidden_SBH = decode(model, embed(model, ids, start), start)
+            if progress is not None:
+                progress(sum(sizes))
+    finally:
+        final_norm.remove()
+    state.last_hidden_1BH = broadcast_from_last(final_norm.last_row_1BH, group)
+    state.last_logits_BV = broadcast_from_last(output_logits(model, hidden_SBH[-1:])[0], group)
+    return state
