@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The paper's headline: Qwen3.6-27B, a 2,088,960-token prompt + 8,192-token responses, G=8, on
-# 8 GPUs with context parallelism 8 (prompt pages sharded over the CP ranks). Internal rollouts
-# under CP need decoding from a CP-sharded state (the context-parallel issue); until then the
-# trainer refuses this combination clearly (external rollouts, --rollout-source jsonl, work).
+# 8 GPUs with context parallelism 8 (prompt pages sharded over the CP ranks; rollouts decode from
+# the sharded state). Verified so far on CPU (CP=2 = CP=1); the 8-GPU run is the headline issue.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/args/qwen3.6-27b.sh

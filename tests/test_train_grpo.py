@@ -252,3 +252,29 @@ def test_context_parallel_step_equals_one_process(tmp_path):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
     for name, value in pair[0]["params"].items():
         assert (value == pair[1]["params"][name]).all(), name
+
+
+def test_context_parallel_internal_rollouts_step_equals_one_process(tmp_path):
+    """Internal rollouts under CP=2 (decoding from the CP-sharded prompt state, tokens replicated
+    over the CP ranks) vs CP=1: the same rewards, loss and gradient norm after one step, and both
+    CP ranks end with the same parameters."""
+    from megatron_longstraw.testing.multiprocess import run_multiprocess
+    from megatron_longstraw.testing.trainer_runs import train_worker
+
+    argv = ["--train-iters", "1", "--global-batch-size", "1", "--num-generations", "3",
+            "--synthetic-prompt-length", "37", "--prompt-chunk-size", "16", "--max-response-length", "5",
+            "--replay-micro-batch-size", "2", "--lr", "1e-2", "--no-save", "--wandb-mode", "disabled",
+            "--wandb-save-dir", str(tmp_path / "w"), "--reward-fn", "reward_fixtures:low_token_fraction"]
+    (single,) = run_multiprocess(train_worker, 1, argv)
+    pair = run_multiprocess(train_worker, 2, argv + ["--context-parallel-size", "2"])
+    for key in ("reward/mean", "loss/total", "optim/grad_norm", "tokens/response", "prompt/state_bytes"):
+        a = single["metrics"][key]
+        for run in pair:
+            b = run["metrics"][key]
+            if key == "prompt/state_bytes":
+                assert b < a  # each CP rank keeps only its shard of the pages
+                continue
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
+    assert single["metrics"]["optim/grad_norm"] > 0
+    for name, value in pair[0]["params"].items():
+        assert (value == pair[1]["params"][name]).all(), name

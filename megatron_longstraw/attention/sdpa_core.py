@@ -6,7 +6,8 @@ K/V pages live: it receives post-RoPE queries, keys and values, so in capture it
 chunk's keys/values to the pages and in replay attends over them (``prefix_attention``). In
 decode each sample appends its new token's keys/values to its own pages and attends over the
 shared prompt pages plus its own (``decode_attention``). Under context parallelism the pages
-are sharded over the CP group and capture/replay merge every rank's part (``cp_attention``).
+are sharded over the CP group and capture/replay/decode merge every rank's part (``cp_attention``,
+``decode_attention``).
 """
 
 from dataclasses import dataclass, field
@@ -138,7 +139,7 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
         return out_BHSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
     def _forward_context_parallel(self, query, key, value, binding, cp_group):
-        """Capture / replay with the pages sharded over ``cp_group``; ``[s, b, heads, d_v]``."""
+        """Capture / replay / decode with the pages sharded over ``cp_group``; ``[s, b, heads, d_v]``."""
         if binding.mode == Mode.CAPTURE:
             if binding.shard_sizes is None:
                 raise ValueError("SDPACoreAttention: capture under context parallelism needs the "
@@ -152,7 +153,11 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
             prefix_k, prefix_v = binding.state.keys_values()
             return cp_prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
                                               cp_group)
-        what = ("decoding (rollouts) from a CP-sharded prompt state" if binding.mode == Mode.DECODE
-                else "the full-graph baseline (--replay-mode full)")
-        raise ValueError(f"SDPACoreAttention: {what} is not supported with --context-parallel-size "
-                         f"{cp_group.size()} > 1 yet")
+        if binding.mode == Mode.DECODE:  # replicated samples over every rank's shard of the pages
+            binding.state.append(key, value)
+            own_k, own_v = binding.state.keys_values()
+            prompt_k, prompt_v = binding.state.prompt.keys_values()
+            return decode_attention(query, own_k, own_v, prompt_k, prompt_v, self.softmax_scale,
+                                    cp_group=cp_group)
+        raise ValueError("SDPACoreAttention: the full-graph baseline (--replay-mode full) is not "
+                         f"supported with --context-parallel-size {cp_group.size()} > 1 yet")

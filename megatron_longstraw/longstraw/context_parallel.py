@@ -22,7 +22,11 @@ Per layer kind:
   pages. Replay: the response is replicated on every CP rank; each rank attends the response
   queries over its own pages, the partials merge the same way, and the response's causal part
   over itself is computed on every rank. Backward all-reduces the queries' gradient from the
-  prompt parts, so every CP rank ends with exactly the CP=1 gradient (see below).
+  prompt parts, so every CP rank ends with exactly the CP=1 gradient (see below). Decode
+  (``attention/decode_attention.py``): every CP rank decodes the same G samples; a new token's
+  query attends over this rank's pages, the partials merge with ``cp_merge``, and the samples' own
+  generated keys (replicated, per sample, on every rank) are merged in locally after that global
+  merge, so they count once. The prompt pages stay shared by the samples, never copied.
 - Gated DeltaNet (``models/gated_delta_net.py``). The delta rule is linear in the state:
   over a shard, ``S_end = A S_start + B`` with ``A`` ``[d_k, d_k]`` per head. One kernel call from
   the state ``[0 | I]`` with values ``[v | 0]`` yields ``B`` and ``A`` (final state) and, per
@@ -30,7 +34,14 @@ Per layer kind:
   ``o_t + S_start^T w_t``. Ranks all-gather ``(A, B)`` and fold them in rank order from the
   chunk's start state: every rank gets its shard's start state and the same final state, which
   is therefore replicated on every CP rank (it is small: ``heads x d_k x d_v``). The conv tail
-  is handed on the same way (all-gather of each shard's last ``kernel - 1`` inputs).
+  is handed on the same way (all-gather of each shard's last ``kernel - 1`` inputs). Decode is
+  unchanged: each sample's copy of the replicated state advances identically on every rank.
+
+Rollouts under CP (``rollout/generate.py``): the generated tokens are replicated over the CP
+group. Every CP rank samples from the same (merged) logits, and CP rank 0's tokens are then
+broadcast over the group, so all ranks feed the same tokens whatever their generators (the
+trainer seeds the generator identically on every CP rank anyway: the seed uses the DP rank
+without CP).
 
 Gradients under CP. Megatron's DDP averages gradients over the DP x CP group. In replay every
 CP rank runs the same (replicated) response and, thanks to the all-reduce of the query gradient
@@ -39,9 +50,8 @@ gradient. A loss must therefore not be scaled by the CP size (Megatron's pretrai
 multiplies its loss by ``cp`` because there each rank sees only a shard of the tokens).
 
 Not yet under CP: layer kinds other than full attention (``SDPACoreAttention``) and Gated
-DeltaNet (GLM-5's MLA latents and DSA indexer keys), prompt batches larger than one, decoding
-(rollouts) from a CP-sharded state, and the full-graph baseline (``Mode.REFERENCE``); each
-raises ``ValueError``.
+DeltaNet (GLM-5's MLA latents and DSA indexer keys), prompt batches larger than one, and the
+full-graph baseline (``Mode.REFERENCE``); each raises ``ValueError``.
 """
 
 from typing import Callable, Optional

@@ -11,7 +11,11 @@ Tensor parallelism: the logits are vocabulary-sharded, so they are all-gathered 
 and every TP rank samples from the same full logits; TP rank 0's tokens are then broadcast over
 the group, so every rank feeds the same tokens whatever its generator. Pass the same
 ``generator`` seed on every TP rank to keep the generators in step (the random draws are then
-identical anyway). Sequence and pipeline parallelism are not supported here.
+identical anyway). Context parallelism: the prompt state's K/V pages are sharded over the CP
+group (``longstraw/context_parallel.py``) and every CP rank runs this same loop on the same
+samples; the attention merges the ranks' page parts, so the logits are the same on every CP rank,
+and CP rank 0's tokens are broadcast over the CP group (after the TP broadcast), so the tokens
+are replicated exactly. Sequence and pipeline parallelism are not supported here.
 """
 
 import time
@@ -83,6 +87,15 @@ def _same_on_tp_ranks(tokens_B: torch.Tensor) -> torch.Tensor:
     return tokens_B
 
 
+def _same_on_model_parallel_ranks(tokens_B: torch.Tensor) -> torch.Tensor:
+    """The tokens of (TP rank 0, CP rank 0) on every rank of its TP x CP slice."""
+    tokens_B = _same_on_tp_ranks(tokens_B)
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1:
+        torch.distributed.broadcast(tokens_B, src=parallel_state.get_context_parallel_global_ranks()[0],
+                                    group=parallel_state.get_context_parallel_group())
+    return tokens_B
+
+
 def _first_logits(model, prompt_state: PromptState) -> torch.Tensor:
     """Next-token logits ``[1, vocab / tp]`` after the prompt (kept by capture, else recomputed)."""
     if prompt_state.last_logits_BV is not None:
@@ -140,7 +153,7 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
     steps = 0
     try:
         for step in range(max_new_tokens):
-            tokens_B = _same_on_tp_ranks(sample_tokens(logits_BV, temperature, top_p, generator))
+            tokens_B = _same_on_model_parallel_ranks(sample_tokens(logits_BV, temperature, top_p, generator))
             logprobs_B = token_logprobs_full_vocab(logits_BV, tokens_B).cpu()
             sampling_B = sampling_logprobs(logits_BV, tokens_B, temperature, top_p).cpu()
             tokens_cpu = tokens_B.cpu()

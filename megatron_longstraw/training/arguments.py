@@ -211,9 +211,6 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.parallel.pipeline > 1:
         raise ValueError("--pipeline-model-parallel-size > 1 is not supported by the trainer yet "
                          "(LongStraw PP is in progress)")
-    if args.parallel.context > 1 and args.rollout_source != "jsonl":
-        raise ValueError("--context-parallel-size > 1 needs --rollout-source jsonl for now: decoding "
-                         "from a CP-sharded prompt state is not implemented yet")
     if args.parallel.context > 1 and args.replay_mode != "longstraw":
         raise ValueError("--context-parallel-size > 1 needs --replay-mode longstraw (the full-graph "
                          "baseline has no CP path)")
