@@ -105,6 +105,10 @@ class GRPOLoss:
     response length). Detached metric sums accumulate over calls; see ``metrics``.
     """
 
+    # replay hands every call the per-token entropies (``model_steps.loss_of``): they are logged
+    # even when ``entropy_coef`` is 0
+    needs_entropy = True
+
     def __init__(self, old_logprobs: Sequence[torch.Tensor], advantages_G: torch.Tensor, *,
                  normalizer: float, ref_logprobs: Optional[Sequence[torch.Tensor]] = None,
                  clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, kl_coef: float = 0.0,

@@ -11,6 +11,7 @@ tokens and divides by this rank's responses of the step; DDP's average makes it 
 all responses.
 """
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -47,26 +48,22 @@ class PhaseClock:
     def __init__(self):
         self.metrics: dict[str, float] = {}
 
+    @contextlib.contextmanager
     def __call__(self, phase: str):
-        clock = self
-
-        class _Phase:
-            def __enter__(self):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                    peak = torch.cuda.max_memory_allocated() / 2 ** 30
-                    key = f"mem/{phase}_peak_gib"
-                    clock.metrics[key] = max(clock.metrics.get(key, 0.0), peak)
-                key = f"time/{phase}_s"
-                clock.metrics[key] = clock.metrics.get(key, 0.0) + time.perf_counter() - self.start
-
-        return _Phase()
+        """Time the block (synchronizing the GPU at both ends) and record its peak memory."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                key = f"mem/{phase}_peak_gib"
+                self.metrics[key] = max(self.metrics.get(key, 0.0), torch.cuda.max_memory_allocated() / 2 ** 30)
+            key = f"time/{phase}_s"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
 
 
 def _same_on_tp_ranks(rewards_G: torch.Tensor) -> torch.Tensor:
@@ -132,7 +129,6 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
             normalizer=_normalizer(group.responses, args, groups_per_rank), clip_eps_low=args.clip_eps_low,
             clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
             aggregation=args.loss_aggregation)
-        loss_fn.needs_entropy = True  # entropy is always logged (one extra reduction per chunk)
         with clock("replay"):
             if args.replay_mode == "longstraw":
                 losses = replay_responses(model, state, group.responses, loss_fn, args.replay_micro_batch_size)
