@@ -119,8 +119,8 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
         if binding is not None and binding.mode in (Mode.CAPTURE, Mode.REPLAY):
             prefix_k, prefix_v = binding.state.keys_values()
             out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale)
-            if binding.mode == Mode.CAPTURE:
-                binding.state.append(key, value)
+            if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
+                binding.state.append(key[:binding.valid_length], value[:binding.valid_length])
             return out_SBHD.reshape(seq, batch, -1)
         if binding is not None and binding.mode == Mode.DECODE:
             binding.state.append(key, value)

@@ -41,6 +41,8 @@ class Binding:
     prefix_length: int = 0        # REFERENCE: prompt tokens at the start of the sequence
     shard_sizes: Optional[tuple[int, ...]] = None  # CAPTURE under CP: this chunk's tokens per CP
     # rank (rank r feeds shard r); None without context parallelism (``context_parallel.py``)
+    valid_length: Optional[int] = None  # CAPTURE: the chunk's real tokens; under sequence
+    # parallelism the layers see it padded to a multiple of TP, and capture only the first rows
 
 
 class StatefulModule:
@@ -91,7 +93,7 @@ def check_state_matches(model, state: Union[PromptState, "DecodeState"], modules
 @contextlib.contextmanager
 def bind(model, mode: Mode, state: Union[PromptState, "DecodeState", None] = None, *,
          position_offset: int = 0, prefix_length: int = 0,
-         shard_sizes: Optional[tuple[int, ...]] = None):
+         shard_sizes: Optional[tuple[int, ...]] = None, valid_length: Optional[int] = None):
     """Bind every stateful module of ``model`` for the block; restores the previous binding on exit.
 
     Keep backward inside the block when activations are recomputed (``--recompute-granularity``):
@@ -103,7 +105,7 @@ def bind(model, mode: Mode, state: Union[PromptState, "DecodeState", None] = Non
     previous = {name: module.longstraw for name, module in modules.items()}
     for name, module in modules.items():
         module.longstraw = Binding(mode, state.layers[name] if state is not None else None,
-                                   position_offset, prefix_length, shard_sizes)
+                                   position_offset, prefix_length, shard_sizes, valid_length)
     try:
         yield
     finally:

@@ -37,12 +37,16 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     final_norm = FinalNormInput(model)
     try:
         for start in range(0, length, chunk_size):
-            with bind(model, Mode.CAPTURE, state, position_offset=start):
-                hidden_SBH = decode(model, embed(model, prompt_ids_BS[:, start:start + chunk_size], start), start)
+            chunk_ids_BS = prompt_ids_BS[:, start:start + chunk_size]
+            with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=chunk_ids_BS.shape[1]):
+                hidden_SBH = decode(model, embed(model, chunk_ids_BS, start), start)
             if progress is not None:
                 progress(min(chunk_size, length - start))
     finally:
         final_norm.remove()
-    state.last_hidden_1BH = final_norm.last_row_1BH
+    # the final norm's input at the last prompt token (under sequence parallelism the kept input
+    # is gathered and padded: the row by index)
+    last = hidden_SBH.shape[0] - 1
+    state.last_hidden_1BH = final_norm.input_SBH[last:last + 1]
     state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
     return state

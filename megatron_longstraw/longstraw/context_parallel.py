@@ -135,12 +135,16 @@ def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     prompt position's hidden state and logits (broadcast from the last CP rank).
     """
     from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
-    from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, embed, output_logits
+    from megatron_longstraw.longstraw.model_steps import (
+        FinalNormInput, decode, embed, output_logits, sequence_parallel)
     from megatron_longstraw.longstraw.state import PromptState
 
     group = context_parallel_group()
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     check_context_parallel_support(model)
+    if sequence_parallel(model):  # its padded sequence shards are not handled by the CP paths
+        raise ValueError(f"--sequence-parallel with --context-parallel-size {cp} > 1 is not supported "
+                         "by LongStraw capture/replay yet")
     batch, length = prompt_ids_BS.shape
     if batch != 1:
         raise ValueError(f"--context-parallel-size {cp}: capture needs a prompt batch of 1, got {batch}")

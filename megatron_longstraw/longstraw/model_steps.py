@@ -9,9 +9,49 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 
+def sequence_parallel(model) -> bool:
+    """Whether ``model`` runs Megatron's sequence parallelism (TP > 1 and ``sequence_parallel``)."""
+    return bool(model.config.sequence_parallel) and parallel_state.get_tensor_model_parallel_world_size() > 1
+
+
+def _pad_rows(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``tensor`` right-padded with zeros along ``dim`` to a multiple of the TP size."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pad = -tensor.shape[dim] % tp
+    if pad == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = pad
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
+def _on_sequence_shards(model, fn, full_SBH: torch.Tensor, gather: bool = True) -> torch.Tensor:
+    """Under sequence parallelism, ``fn`` applied to this rank's shard of ``full_SBH`` (replicated
+    over TP, rows padded at the end to a multiple of TP); the full result, padding removed.
+
+    The interface tensors of these model steps are the whole sequence on every TP rank: a slice's
+    rows (its last one, the prompt boundary) are then where the caller expects them. The scatter's
+    backward gathers and the gather's backward splits, so gradients stay exact as long as what the
+    caller computes from the full tensors is replicated over TP (it is: Megatron's vocab-parallel
+    loss all-reduces). ``gather=False``: ``fn``'s output is not sequence-sharded (output layer).
+    """
+    seq = full_SBH.shape[0]
+    shard = tensor_parallel.scatter_to_sequence_parallel_region(_pad_rows(full_SBH))
+    out = fn(shard)
+    if gather:
+        out = tensor_parallel.gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
+    return out[:seq]
+
+
 def embed(model, input_ids_BS: torch.Tensor, offset: int) -> torch.Tensor:
-    """Token embeddings ``[s, b, h]`` of tokens at positions ``offset...``."""
+    """Token embeddings ``[s, b, h]`` of tokens at positions ``offset...`` (the whole slice on
+    every TP rank, also under sequence parallelism)."""
     seq = input_ids_BS.shape[1]
+    if sequence_parallel(model):
+        ids_BS = _pad_rows(input_ids_BS, dim=1)
+        position_ids = torch.arange(offset, offset + ids_BS.shape[1], device=ids_BS.device).expand_as(ids_BS)
+        shard = model.embedding(input_ids=ids_BS, position_ids=position_ids)
+        return tensor_parallel.gather_from_sequence_parallel_region(shard, tensor_parallel_output_grad=False)[:seq]
     position_ids = torch.arange(offset, offset + seq, device=input_ids_BS.device).expand_as(input_ids_BS)
     return model.embedding(input_ids=input_ids_BS, position_ids=position_ids)
 
@@ -23,18 +63,39 @@ def decode(model, hidden_SBH: torch.Tensor, offset: int) -> torch.Tensor:
     Under context parallelism the caller feeds this rank's own tokens at their own positions,
     so Megatron's CP slicing of the rotary table is turned off (``packed_seq=True`` does only
     that in ``RotaryEmbedding.forward``).
+
+    Under sequence parallelism ``hidden`` and the result are the whole slice on every TP rank;
+    the decoder runs on this rank's shard of it, padded at the end to a multiple of TP (stateful
+    layers capture only the bound ``valid_length`` rows; padding after the real tokens does not
+    change their outputs, attention being causal).
     """
     rotary = None
+    seq = hidden_SBH.shape[0]
+    sp = sequence_parallel(model)
+    if sp:
+        seq += -seq % parallel_state.get_tensor_model_parallel_world_size()
     if getattr(model, "rotary_pos_emb", None) is not None:
         cp = parallel_state.get_context_parallel_world_size() > 1
-        rotary = model.rotary_pos_emb(hidden_SBH.shape[0], offset=offset, packed_seq=cp)
-    return model.decoder(hidden_states=hidden_SBH, attention_mask=None, rotary_pos_emb=rotary)
+        rotary = model.rotary_pos_emb(seq, offset=offset, packed_seq=cp)
+    run = lambda h: model.decoder(hidden_states=h, attention_mask=None, rotary_pos_emb=rotary)
+    return _on_sequence_shards(model, run, hidden_SBH) if sp else run(hidden_SBH)
+
+
+def final_norm(model, hidden_SBH: torch.Tensor) -> torch.Tensor:
+    """The decoder's final norm on ``hidden`` (whole rows on every TP rank); under sequence
+    parallelism on sequence shards, so its weight gradient is not counted once per TP rank by
+    Megatron's sequence-parallel gradient all-reduce."""
+    norm = model.decoder.final_layernorm
+    return _on_sequence_shards(model, norm, hidden_SBH) if sequence_parallel(model) else norm(hidden_SBH)
 
 
 def output_logits(model, hidden_SBH: torch.Tensor) -> torch.Tensor:
     """Logits ``[s, b, vocab / tp]`` (this rank's vocabulary shard)."""
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    return model.output_layer(hidden_SBH, weight=weight)[0]
+    run = lambda h: model.output_layer(h, weight=weight)[0]
+    if sequence_parallel(model):  # Megatron's output layer gathers the sequence shards itself
+        return _on_sequence_shards(model, run, hidden_SBH, gather=False)
+    return run(hidden_SBH)
 
 
 def token_logprobs(logits_SBV: torch.Tensor, targets_SB: torch.Tensor) -> torch.Tensor:
@@ -101,18 +162,37 @@ def loss_of(loss_fn, model, hidden_SBH, ids_BR, mask_RB, indices) -> torch.Tenso
 
 
 class FinalNormInput:
-    """Forward pre-hook on the decoder's final norm: keeps its input, or detaches a prefix of it."""
+    """Forward pre-hook on the decoder's final norm: keeps its input, or detaches a prefix of it.
+
+    Under sequence parallelism the norm sees this rank's sequence shard: the kept input
+    (``input_SBH``) is gathered (with ``decode``'s padding rows at the end) and ``detach_rows``
+    counts rows of the whole sequence.
+    """
 
     def __init__(self, model, detach_rows: int = 0):
         self.detach_rows = detach_rows
-        self.last_row_1BH = None
+        self.input_SBH = None
+        self._sp = sequence_parallel(model)
         self._handle = model.decoder.final_layernorm.register_forward_pre_hook(self)
+
+    @property
+    def last_row_1BH(self):
+        """The last row of the kept input (without sequence parallelism: the last real row)."""
+        return None if self.input_SBH is None else self.input_SBH[-1:]
 
     def __call__(self, module, args):
         hidden = args[0]
-        self.last_row_1BH = hidden[-1:].detach()
-        if self.detach_rows:
-            head, tail = hidden[: self.detach_rows], hidden[self.detach_rows:]
+        detach_rows = self.detach_rows
+        if self._sp:
+            with torch.no_grad():
+                self.input_SBH = tensor_parallel.gather_from_sequence_parallel_region(
+                    hidden.detach(), tensor_parallel_output_grad=False)
+            start = parallel_state.get_tensor_model_parallel_rank() * hidden.shape[0]
+            detach_rows = min(max(detach_rows - start, 0), hidden.shape[0])
+        else:
+            self.input_SBH = hidden.detach()
+        if detach_rows:
+            head, tail = hidden[:detach_rows], hidden[detach_rows:]
             return (torch.cat([head.detach(), tail]),) + tuple(args[1:])
         return None
 

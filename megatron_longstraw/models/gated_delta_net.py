@@ -130,6 +130,10 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         updates = mode in (Mode.CAPTURE, Mode.DECODE)  # hands its final state on
 
         qkvzba_BSX = self.in_proj(hidden_states)[0].transpose(0, 1)
+        padded_len = qkvzba_BSX.shape[1]
+        if mode == Mode.CAPTURE and binding.valid_length is not None:
+            # sequence parallelism pads the chunk at the end: the state runs over the real tokens
+            qkvzba_BSX = qkvzba_BSX[:, :binding.valid_length]
         batch, seq_len = qkvzba_BSX.shape[:2]
         # Megatron's feat_dim_split divides by the CP size (its CP splits heads); every head is local here
         heads_v = self.num_value_heads // self.tp_size
@@ -168,6 +172,8 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
 
         # Megatron's _gated_norm_and_a2a without its CP all-to-all (every head is local here)
         norm_out = self._apply_gated_norm(core_out, gate).reshape(batch, seq_len, -1)
+        if padded_len > seq_len:  # the padding rows' output: zeros
+            norm_out = torch.cat([norm_out, norm_out.new_zeros(batch, padded_len - seq_len, norm_out.shape[-1])], 1)
         return self.out_proj(norm_out.transpose(0, 1).contiguous())
 
     def _capture_cp_delta_rule(self, query, key, value, g, beta, state, cp_group):

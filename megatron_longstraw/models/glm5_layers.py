@@ -202,8 +202,8 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
         _, topk = fused_qk_topk_causal(q, _with_prefix(state.filled(), k), weights, self.index_topk,
                                        varlen_starts=starts, varlen_ends=ends,
                                        use_relu=self.config.dsa_indexer_scoring_relu)
-        if binding.mode == Mode.CAPTURE:
-            state.append(k)
+        if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
+            state.append(k[:binding.valid_length])
         return topk
 
 
@@ -315,8 +315,8 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
         else:
             core_out = self.core_attention.forward_after_prefix(
                 q_absorbed, kv_latent, state.filled(), hidden_states, q_compressed, v_up_weight)
-            if mode == Mode.CAPTURE:
-                state.append(kv_latent.squeeze(2))
+            if mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
+                state.append(kv_latent.squeeze(2)[:binding.valid_length])
         core_out = _apply_absorbed_v_up_projection(
             core_out, v_up_weight, self.num_attention_heads_per_partition, self.config.kv_lora_rank,
             self.config.v_head_dim, getattr(self.core_attention, "consumes_absorbed_v_up_projection", False))
