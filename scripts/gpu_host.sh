@@ -32,15 +32,19 @@ save_cache() {
     echo "kernel cache over 15 MiB: not returned"; rm -f "$OUT/kernels.tar.gz"
   fi
 }
+# run/bench/train: second wheel folder if carried, import paths, and the kernel cache back on exit
+prepare() {
+  trap save_cache EXIT
+  if [ -d .whl-b ]; then install .whl-b; fi
+  export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  if [ -d /tmp/te-site ]; then export PYTHONPATH=/tmp/te-site:$PYTHONPATH; fi
+}
 restore_cache
 case "${1:-}" in
   install-a) install .whl-a; echo "installed .whl-a into $site" ;;
   run)
     shift
-    trap save_cache EXIT
-    [ -d .whl-b ] && install .whl-b
-    export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    [ -d /tmp/te-site ] && export PYTHONPATH=/tmp/te-site:$PYTHONPATH
+    prepare
     out=${OUT:-/tmp}
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
     set +e
@@ -51,17 +55,11 @@ case "${1:-}" in
     exit "$status" ;;
   bench)
     shift
-    trap save_cache EXIT
-    [ -d .whl-b ] && install .whl-b
-    export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    [ -d /tmp/te-site ] && export PYTHONPATH=/tmp/te-site:$PYTHONPATH
+    prepare
     timeout "$limit" python3 tools/bench_longstraw.py --output-dir "${OUT:-/tmp}/bench" "$@" 2>&1 | grep -v -i "warn\|deprecated" ;;
   train)
     shift
-    trap save_cache EXIT
-    [ -d .whl-b ] && install .whl-b
-    export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    [ -d /tmp/te-site ] && export PYTHONPATH=/tmp/te-site:$PYTHONPATH
+    prepare
     out=${OUT:-/tmp}/train
     mkdir -p "$out"
     set +e
