@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_longstraw.attention.prefix_attention_cuda import (
-    _backward, _blocks, _fold, _forward, _unfold, merge_prefix_blocks, prefix_kernel_settings)
+    _backward, _forward, merge_prefix_blocks, prefix_blocks_dq, prefix_kernel_settings)
 from megatron_longstraw.longstraw.context_parallel import all_gather_rows
 
 
@@ -115,14 +115,8 @@ class _CPPrefixCausalAttention(torch.autograd.Function):
         aux_own, aux_pages = ctx.aux
         grad_BHSD = grad_BHSD.contiguous()
         dq, dk, dv = _backward(ctx.backend, grad_BHSD, q, k, v, out, lse, aux_own, True, ctx.scale)[:3]
-        groups = pk.shape[1]
-        grad1, out1 = _fold(grad_BHSD, groups), _fold(out, groups)
-        lse1 = _fold(lse.unsqueeze(-1), groups).squeeze(-1).contiguous()
-        dq_pages = torch.zeros_like(dq)
-        for (start, end), aux in zip(_blocks(pk, ctx.block), aux_pages):
-            dq1 = _backward(ctx.backend, grad1, q1, pk[:, :, start:end], pv[:, :, start:end], out1, lse1,
-                            aux, False, ctx.scale)[0]
-            dq_pages = dq_pages + _unfold(dq1, q.shape)
+        dq_pages = prefix_blocks_dq(ctx.backend, ctx.block, grad_BHSD, q, q1, pk, pv, out, lse, aux_pages,
+                                    ctx.scale)
         dist.all_reduce(dq_pages, group=ctx.group)  # the pages of every CP rank
         return dq + dq_pages, dk, dv, None, None, None, None
 

@@ -148,14 +148,24 @@ class _PrefixCausalAttention(torch.autograd.Function):
         grad_BHSD = grad_BHSD.contiguous()
         dq, dk, dv = _backward(ctx.backend, grad_BHSD, q, k, v, out, lse, aux_new, True, ctx.scale)[:3]
         if pk is not None:
-            groups = pk.shape[1]
-            grad1, out1 = _fold(grad_BHSD, groups), _fold(out, groups)
-            lse1 = _fold(lse.unsqueeze(-1), groups).squeeze(-1).contiguous()
-            for (start, end), aux in zip(_blocks(pk, ctx.block), aux_prefix):
-                dq1 = _backward(ctx.backend, grad1, q1, pk[:, :, start:end], pv[:, :, start:end], out1, lse1,
-                                aux, False, ctx.scale)[0]
-                dq = dq + _unfold(dq1, q.shape)
+            dq = dq + prefix_blocks_dq(ctx.backend, ctx.block, grad_BHSD, q, q1, pk, pv, out, lse, aux_prefix,
+                                       ctx.scale)
         return dq, dk, dv, None, None, None
+
+
+def prefix_blocks_dq(backend, block, grad_BHSD, q_BHSD, q1, pk_1GPD, pv_1GPD, out_BHSD, lse_BHS, aux_blocks,
+                     scale) -> torch.Tensor:
+    """The query gradient ``[b, h, s, d]`` of the prefix part, block by block, given the merged
+    output and log-sum-exp (the forward's ``merge_prefix_blocks`` folded queries and saved ``aux``)."""
+    groups = pk_1GPD.shape[1]
+    grad1, out1 = _fold(grad_BHSD, groups), _fold(out_BHSD, groups)
+    lse1 = _fold(lse_BHS.unsqueeze(-1), groups).squeeze(-1).contiguous()
+    dq = torch.zeros_like(q_BHSD)
+    for (start, end), aux in zip(_blocks(pk_1GPD, block), aux_blocks):
+        dq1 = _backward(backend, grad1, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end], out1, lse1,
+                        aux, False, scale)[0]
+        dq = dq + _unfold(dq1, q_BHSD.shape)
+    return dq
 
 
 def prefix_causal_attention_cuda(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, prefix_v_SBGD=None,
