@@ -22,10 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_longstraw.data.jsonl import (JsonlIndex, check_answer, check_id_range, check_ids,
+from megatron_longstraw.data.jsonl import (check_answer, check_id_range, check_ids,
                                            check_metadata, check_rewards, check_text)
-from megatron_longstraw.data.position import EpochOrder, PositionedDataset
-from megatron_longstraw.data.prompts import parse_prompt, resolve_vocab_size
+from megatron_longstraw.data.prompts import JsonlDataset, parse_prompt
 from megatron_longstraw.rewards.scoring import score_group
 
 ROLLOUT_EXTRA_KEYS = ("responses", "rewards")
@@ -51,7 +50,7 @@ class RolloutGroup:
                            self.metadata, source=self.source)
 
 
-class ExternalRolloutDataset(PositionedDataset):
+class ExternalRolloutDataset(JsonlDataset):
     """Rollout groups from a JSONL file (see the module docstring); ``next(dataset)`` ->
     ``RolloutGroup``. ``tokenizer`` is needed for text prompts/responses; ``vocab_size``
     defaults to the tokenizer's."""
@@ -63,21 +62,11 @@ class ExternalRolloutDataset(PositionedDataset):
                  flag: str = "--external-rollouts"):
         if num_generations < 1:
             raise ValueError(f"--num-generations must be >= 1, got {num_generations}")
-        self.lines = JsonlIndex(path, flag)
-        self.path = self.lines.path
-        self.tokenizer = tokenizer
         self.num_generations = num_generations
-        self.vocab_size = resolve_vocab_size(vocab_size, tokenizer, flag)
-        self.max_prompt_length = max_prompt_length
         self.max_response_length = max_response_length
         self.append_eos = append_eos
-        self.order = EpochOrder(len(self.lines), seed, shuffle)
-        if validate:
-            for i in range(len(self.lines)):
-                self[i]
-
-    def __len__(self) -> int:
-        return len(self.lines)
+        super().__init__(path, tokenizer, vocab_size=vocab_size, max_prompt_length=max_prompt_length,
+                         seed=seed, shuffle=shuffle, validate=validate, flag=flag)
 
     def _response(self, value, where: str, g: int) -> torch.Tensor:
         field = f"responses[{g}]"

@@ -95,18 +95,13 @@ def resolve_vocab_size(vocab_size: int | None, tokenizer, flag: str) -> int:
     return vocab_size
 
 
-class PromptDataset(PositionedDataset):
-    """Prompts from a JSONL file (see the module docstring); ``next(dataset)`` -> ``PromptItem``.
+class JsonlDataset(PositionedDataset):
+    """Base of the JSONL datasets: the line index, tokenizer, vocabulary size, prompt bound and
+    position. ``validate`` reads every line once up front, so a bad line fails before training;
+    subclasses set what their ``__getitem__`` needs before calling this ``__init__``."""
 
-    ``tokenizer`` (a ``tokenizer.Tokenizer``) is needed for text prompts; ``vocab_size``
-    defaults to the tokenizer's (pass the model's when ids are given directly);
-    ``max_prompt_length`` comes from ``resolve_max_prompt_length``; ``flag`` names the option
-    that gave ``path`` in error messages.
-    """
-
-    def __init__(self, path: str, tokenizer=None, *, vocab_size: int | None = None,
-                 max_prompt_length: int | None = None, seed: int = 0, shuffle: bool = True,
-                 validate: bool = True, flag: str = "--prompt-data"):
+    def __init__(self, path: str, tokenizer, *, vocab_size: int | None, max_prompt_length: int | None,
+                 seed: int, shuffle: bool, validate: bool, flag: str):
         self.lines = JsonlIndex(path, flag)
         self.path = self.lines.path
         self.tokenizer = tokenizer
@@ -119,6 +114,22 @@ class PromptDataset(PositionedDataset):
 
     def __len__(self) -> int:
         return len(self.lines)
+
+
+class PromptDataset(JsonlDataset):
+    """Prompts from a JSONL file (see the module docstring); ``next(dataset)`` -> ``PromptItem``.
+
+    ``tokenizer`` (a ``tokenizer.Tokenizer``) is needed for text prompts; ``vocab_size``
+    defaults to the tokenizer's (pass the model's when ids are given directly);
+    ``max_prompt_length`` comes from ``resolve_max_prompt_length``; ``flag`` names the option
+    that gave ``path`` in error messages.
+    """
+
+    def __init__(self, path: str, tokenizer=None, *, vocab_size: int | None = None,
+                 max_prompt_length: int | None = None, seed: int = 0, shuffle: bool = True,
+                 validate: bool = True, flag: str = "--prompt-data"):
+        super().__init__(path, tokenizer, vocab_size=vocab_size, max_prompt_length=max_prompt_length,
+                         seed=seed, shuffle=shuffle, validate=validate, flag=flag)
 
     def __getitem__(self, i: int) -> PromptItem:
         """Record ``i`` in file order."""
