@@ -118,9 +118,7 @@ def test_external_rollouts_train_end_to_end(tmp_path):
 
 
 def _cli(*argv):
-    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # left by in-process runs
-    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
-    env["PYTHONPATH"] = str(ROOT / "tests")  # reward_fixtures
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # reward_fixtures
     return subprocess.run([sys.executable, str(ROOT / "train_grpo.py"), *argv], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env=env)
 
