@@ -50,8 +50,17 @@ def _emulated_scores(q, k, causal, scale):
     return scores
 
 
+def _kernel(backend, q, k):
+    """The kernel for one part: cuDNN's backward rejects ``s_q = s_kv = 1`` (a response of one
+    token over itself), so that part runs on flash, forward and backward alike."""
+    if backend == "cudnn" and q.shape[-2] == 1 and k.shape[-2] == 1:
+        return "flash"
+    return backend
+
+
 def _forward(backend, q, k, v, causal, scale):
     """(out_BHSD, lse_BHS, aux) with the kernel's bookkeeping for its backward."""
+    backend = _kernel(backend, q, k)
     if backend == "emulated":
         scores = _emulated_scores(q, k, causal, scale)
         lse = scores.logsumexp(-1)
@@ -67,6 +76,7 @@ def _forward(backend, q, k, v, causal, scale):
 
 def _backward(backend, grad, q, k, v, out, lse, aux, causal, scale):
     """(dq, dk, dv) of one part, given the merged output and log-sum-exp."""
+    backend = _kernel(backend, q, k)
     if backend == "emulated":
         scores = _emulated_scores(q, k, causal, scale)
         probs = (scores - lse[..., None]).exp()
