@@ -17,6 +17,7 @@ class SavedTensorMeter:
         self._bytes: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
+    @torch.compiler.disable  # a hook, not model code: compiled callers would retrace it per storage
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in self._excluded:
