@@ -49,9 +49,15 @@ inside the attention merge, holds the *full* CP=1 gradient; the average over CP 
 gradient. A loss must therefore not be scaled by the CP size (Megatron's pretraining schedule
 multiplies its loss by ``cp`` because there each rank sees only a shard of the tokens).
 
-Not yet under CP: layer kinds other than full attention (``SDPACoreAttention``) and Gated
-DeltaNet (GLM-5's MLA latents and DSA indexer keys), prompt batches larger than one, and the
-full-graph baseline (``Mode.REFERENCE``); each raises ``ValueError``.
+- GLM-5's MLA latents and DSA indexer keys (``attention/cp_sparse_attention.py``): each rank
+  keeps the latents and indexer keys of its shards with their global positions. The DSA top-k
+  is selected globally (local candidates, all-gathered, ranked by score then position, so the
+  selection is CP=1's), and the sparse attention over the selected latents merges the ranks'
+  partials by log-sum-exp, queries travelling as for full attention. Decoding GLM-5 under CP is
+  not supported yet (``ValueError``: sample elsewhere, ``--rollout-source jsonl``).
+
+Not yet under CP: prompt batches larger than one, GLM-5 decoding, and the full-graph baseline
+(``Mode.REFERENCE``); each raises ``ValueError``.
 """
 
 from typing import Callable, Optional
@@ -122,7 +128,7 @@ def check_context_parallel_support(model) -> None:
             raise ValueError(
                 f"--context-parallel-size {cp}: layer kind {type(module).__name__} ({name}) cannot "
                 "shard its prompt state over the CP group yet; CP capture/replay supports full "
-                "attention (SDPACoreAttention) and Gated DeltaNet (Qwen3.5) only")
+                "attention (SDPACoreAttention), Gated DeltaNet (Qwen3.5) and MLA + DSA (GLM-5)")
 
 
 @torch.no_grad()
@@ -151,8 +157,12 @@ def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     plan = shard_plan(length, chunk_size, cp)
     local_length = sum(sizes[rank] for _, sizes in plan)
     state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
+    page_positions_P = torch.cat([torch.arange(start + sum(sizes[:rank]), start + sum(sizes[:rank + 1]),
+                                               device=prompt_ids_BS.device) for start, sizes in plan])
     for name, module in stateful_modules(model).items():
         state.layers[name] = module.new_prompt_state(local_length, batch, prompt_ids_BS.device)
+        if hasattr(state.layers[name], "positions_P"):  # layers whose attention needs positions (DSA)
+            state.layers[name].positions_P = page_positions_P
     final_norm = FinalNormInput(model)
     try:
         for chunk_start, sizes in plan:

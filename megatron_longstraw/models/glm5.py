@@ -188,11 +188,6 @@ def transformer_config(hf: dict, options: ModelOptions) -> MLATransformerConfig:
     kwargs = options.config_kwargs()
     tp, ep = kwargs["tensor_model_parallel_size"], kwargs["expert_model_parallel_size"]
     tp_flag = "--tensor-model-parallel-size"
-    if kwargs["context_parallel_size"] > 1:
-        raise ValueError(
-            f"--context-parallel-size {kwargs['context_parallel_size']}: GLM-5's layer kinds (MLA "
-            "latents, LongStrawAbsorbedMLASelfAttention; DSA indexer keys, LongStrawDSAIndexer) cannot "
-            "shard their LongStraw prompt state over the CP group yet; use --context-parallel-size 1")
     for field in ("num_attention_heads", "intermediate_size", "moe_intermediate_size",
                   "vocab_size", "q_lora_rank"):
         _check_divisible(hf[field], field, tp, tp_flag)
@@ -240,6 +235,9 @@ def transformer_config(hf: dict, options: ModelOptions) -> MLATransformerConfig:
         dsa_indexer_rotate_activation=False,
         dsa_indexer_scoring_relu=True,
         dsa_indexer_k_norm_epsilon=HF_INDEXER_NORM_EPS,
+        # Megatron's own (unbound) DSA forward under CP all-gathers; LongStraw's capture/replay
+        # shard the prompt state themselves (attention/cp_sparse_attention.py)
+        cp_comm_type="allgather" if kwargs["context_parallel_size"] > 1 else None,
         # MoE
         num_moe_experts=hf["n_routed_experts"],
         moe_ffn_hidden_size=hf["moe_intermediate_size"],

@@ -41,7 +41,10 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_longstraw.attention.cp_sparse_attention import (
+    chunk_query_positions, cp_index_topk, cp_sparse_latent_attention, up_project)
 from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
+from megatron_longstraw.longstraw.context_parallel import all_gather_rows, context_parallel_group
 from megatron_longstraw.models.glm5_decode import decode_index_topk, decode_sparse_attention
 from megatron_longstraw.models.glm5_state import (
     IndexerDecodeState, IndexerKeyState, MLADecodeState, MLALatentState)
@@ -79,40 +82,55 @@ class DuplicatedLinear(MegatronModule):
         """No delayed weight-gradient computation (interface of Megatron's linears)."""
 
 
-class RopeOffset:
-    """Forward pre-hook on a Megatron ``RotaryEmbedding``: shifts its positions by ``offset``.
+class _SingleRank:
+    """Stands in for a process group of one: tells Megatron's RoPE not to take a CP slice."""
 
-    Megatron's MLA and DSA indexer build their RoPE table from position 0 inside forward; capture
-    and replay run a slice of the sequence, so the table must start at the slice's position.
-    ``offset`` is 0 (no change) except inside ``shifted``.
+    @staticmethod
+    def size() -> int:
+        return 1
+
+
+class RopeOffset:
+    """Forward pre-hook on a Megatron ``RotaryEmbedding``: RoPE for the tokens a bound forward runs.
+
+    Megatron's MLA and DSA indexer build their RoPE table from position 0 inside forward, and
+    under context parallelism for ``len x cp`` positions of which they take this rank's
+    load-balanced slice. Capture and replay run a slice of the sequence whose positions start at
+    the binding's offset (``longstraw/context_parallel.py`` lays the shards out contiguously),
+    so inside ``shifted`` the table starts at ``offset`` and covers this rank's tokens only.
+    Outside ``shifted`` Megatron's behaviour is unchanged.
     """
 
-    def __init__(self, rotary_module: torch.nn.Module):
-        self.offset = 0
+    def __init__(self, rotary_module: torch.nn.Module, context_parallel_size: int = 1):
+        self.offset = None
+        self.context_parallel_size = context_parallel_size
         rotary_module.register_forward_pre_hook(self, with_kwargs=True)
 
     def __call__(self, module, args, kwargs):
-        if not self.offset:
+        if self.offset is None:
             return None
-        if len(args) > 1:  # forward(max_seq_len, offset, ...)
-            return (args[0], args[1] + self.offset) + tuple(args[2:]), kwargs
-        return args, {**kwargs, "offset": kwargs.get("offset", 0) + self.offset}
+        max_seq_len = (args[0] if args else kwargs.pop("max_seq_len")) // self.context_parallel_size
+        offset = (args[1] if len(args) > 1 else kwargs.pop("offset", 0)) + self.offset
+        kwargs = {**kwargs, "cp_group": _SingleRank} if self.context_parallel_size > 1 else kwargs
+        return (max_seq_len, offset) + tuple(args[2:]), kwargs
 
     @contextlib.contextmanager
     def shifted(self, offset: int):
-        """RoPE at positions ``offset...`` for the block."""
+        """RoPE at positions ``offset...`` (this rank's tokens) for the block."""
         self.offset = offset
         try:
             yield
         finally:
-            self.offset = 0
+            self.offset = None
 
 
-def _refuse_unsupported(module, what: str, packed_seq_params=None, inference_context=None) -> None:
+def _refuse_unsupported(module, what: str, packed_seq_params=None, inference_context=None, mode=None) -> None:
     if packed_seq_params is not None or inference_context is not None:
         raise ValueError(f"LongStraw {what}: packed sequences and inference are not supported")
-    if module.pg_collection.cp.size() > 1:
-        raise ValueError(f"LongStraw {what}: context parallelism is not supported in capture/replay yet")
+    if module.pg_collection.cp.size() > 1 and mode not in (Mode.CAPTURE, Mode.REPLAY):
+        raise ValueError(f"LongStraw {what}: under context parallelism only capture and replay are "
+                         f"supported (not {getattr(mode, 'value', mode)}); sample with "
+                         "--rollout-source jsonl")
 
 
 def _with_prefix(prefix_SBD: torch.Tensor, new_SBD: torch.Tensor) -> torch.Tensor:
@@ -160,9 +178,11 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
     gradient, so there is nothing to detach).
     """
 
+    supports_context_parallel = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rope_offset = RopeOffset(self.rotary_pos_emb)
+        self.rope_offset = RopeOffset(self.rotary_pos_emb, self.config.context_parallel_size)
 
     def new_prompt_state(self, prompt_length: int, batch: int, device) -> IndexerKeyState:
         """Empty key pages for ``prompt_length`` tokens."""
@@ -198,6 +218,9 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
         state = binding.state
         with self.rope_offset.shifted(binding.position_offset):
             q, k, weights = self.forward_before_topk(x, qr)
+        group = context_parallel_group()
+        if group is not None:
+            return self._topk_context_parallel(q, k, weights, binding, group)
         starts, ends = _causal_bounds(state.length, q.shape[0], q.device)
         _, topk = fused_qk_topk_causal(q, _with_prefix(state.filled(), k), weights, self.index_topk,
                                        varlen_starts=starts, varlen_ends=ends,
@@ -205,6 +228,26 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
         if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
             state.append(k[:binding.valid_length])
         return topk
+
+
+    def _topk_context_parallel(self, q, k, weights, binding, group):
+        """Global top-k positions over every CP rank's keys (``cp_index_topk``): in CAPTURE for all
+        of the chunk's queries (all-gathered), in REPLAY for the replicated response."""
+        state, relu = binding.state, self.config.dsa_indexer_scoring_relu
+        pages, pages_pos = state.filled(), state.filled_positions()
+        if binding.mode == Mode.CAPTURE:
+            sizes = binding.shard_sizes
+            _, query_pos = chunk_query_positions(binding, group, q.device)
+            own_pos = torch.arange(binding.position_offset, binding.position_offset + k.shape[0], device=q.device)
+            topk = cp_index_topk(torch.cat(all_gather_rows(q, sizes, group)),
+                                 torch.cat(all_gather_rows(weights, sizes, group)),
+                                 torch.cat([pages, k.to(pages.dtype)]), torch.cat([pages_pos, own_pos]), query_pos,
+                                 self.index_topk, int(query_pos[-1]) + 1, relu, group)
+            state.append(k)
+            return topk
+        query_pos = torch.arange(binding.position_offset, binding.position_offset + q.shape[0], device=q.device)
+        return cp_index_topk(q, weights, pages, pages_pos, query_pos, self.index_topk, int(query_pos[-1]) + 1,
+                             relu, group, own_keys_TBD=k, own_pos_T=query_pos)
 
 
 class LongStrawDSAttention(DSAttention):
@@ -228,15 +271,45 @@ class LongStrawDSAttention(DSAttention):
             holder[self.layer_number] = topk
         return topk
 
-    def forward_after_prefix(self, query_SBNK, key_SB1K, prefix_key_SBK, x, qr, up_v_weight):
-        """New tokens' attention over ``[prompt latents; new latents]``; ``[s, b, heads * v]``."""
-        _refuse_unsupported(self, "DSA")
+    def forward_after_prefix(self, query_SBNK, key_SB1K, prefix_key_SBK, x, qr, up_v_weight, binding=None):
+        """New tokens' attention over ``[prompt latents; new latents]``; ``[s, b, heads * v]``.
+
+        ``binding``: the MLA layer's (its state holds the latents); needed under CP only.
+        """
+        _refuse_unsupported(self, "DSA", mode=getattr(binding, "mode", None))
         if self.training and torch.is_grad_enabled() and (self.config.dsa_indexer_loss_coeff or 0) > 0:
             raise ValueError("LongStraw DSA: the indexer KL loss (--dsa-indexer-loss-coeff > 0) is "
                              "not supported in capture/replay")
         topk = self._topk(x.detach(), qr.detach(), lambda x, qr: self.indexer.topk_after_prefix(x, qr))
+        group = context_parallel_group()
+        if group is not None:
+            return self._attention_context_parallel(query_SBNK, key_SB1K.squeeze(2), topk, up_v_weight,
+                                                    binding, group)
         return prefix_sparse_attention(query_SBNK, key_SB1K.squeeze(2), prefix_key_SBK, topk,
                                        up_v_weight, self.softmax_scale, self.config)
+
+    def _attention_context_parallel(self, query_SBNK, key_SBK, topk_BSK, up_v_weight, binding, group):
+        """``cp_sparse_latent_attention`` over every CP rank's latents: in CAPTURE all the chunk's
+        queries over this rank's pages and shard of the chunk (this rank's rows returned), in
+        REPLAY the replicated response over the pages plus its own latents."""
+        state, v_channels = binding.state, self.config.kv_lora_rank
+        pages, pages_pos = state.filled(), state.filled_positions()
+        if binding.mode == Mode.CAPTURE:
+            sizes = binding.shard_sizes
+            mine, query_pos = chunk_query_positions(binding, group, query_SBNK.device)
+            own_pos = torch.arange(binding.position_offset, binding.position_offset + key_SBK.shape[0],
+                                   device=query_SBNK.device)
+            out = cp_sparse_latent_attention(
+                torch.cat(all_gather_rows(query_SBNK, sizes, group)), torch.cat([pages, key_SBK.to(pages.dtype)]),
+                torch.cat([pages_pos, own_pos]), topk_BSK, int(query_pos[-1]) + 1, self.softmax_scale,
+                v_channels, group)[mine:mine + key_SBK.shape[0]]
+        else:
+            own_pos = torch.arange(binding.position_offset, binding.position_offset + key_SBK.shape[0],
+                                   device=query_SBNK.device)
+            out = cp_sparse_latent_attention(query_SBNK, pages, pages_pos, topk_BSK, int(own_pos[-1]) + 1,
+                                             self.softmax_scale, v_channels, group, own_keys_TBK=key_SBK,
+                                             own_pos_T=own_pos)
+        return up_project(out, up_v_weight)
 
     @torch.no_grad()
     def forward_decode(self, query_SBNK, latents: MLADecodeState, x, qr, up_v_weight):
@@ -260,9 +333,11 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
     must be ``LongStrawDSAttention``.
     """
 
+    supports_context_parallel = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rope_offset = RopeOffset(self.rotary_pos_emb)
+        self.rope_offset = RopeOffset(self.rotary_pos_emb, self.config.context_parallel_size)
 
     def new_prompt_state(self, prompt_length: int, batch: int, device) -> MLALatentState:
         """Empty latent pages for ``prompt_length`` tokens."""
@@ -288,14 +363,14 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
                 hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
                 rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params,
                 position_ids, sequence_len_offset, inference_params=inference_params)
-        _refuse_unsupported(self, "MLA", packed_seq_params, inference_context or inference_params)
+        _refuse_unsupported(self, "MLA", packed_seq_params, inference_context or inference_params, binding.mode)
         if self.config.apply_rope_fusion or self.recompute_up_proj:
             raise ValueError("LongStraw MLA: --apply-rope-fusion and mla_up_proj recompute are not "
                              "supported in capture/replay")
         if not isinstance(self.core_attention, LongStrawDSAttention):
             raise TypeError("LongStraw MLA needs LongStrawDSAttention as core attention")
         mode, state = binding.mode, binding.state
-        if mode != Mode.REFERENCE:
+        if mode != Mode.REFERENCE and context_parallel_group() is None:  # CP: offsets are global
             done = state.length + (state.prompt.length if mode == Mode.DECODE else 0)
             if binding.position_offset != done:
                 raise RuntimeError(f"LongStraw MLA: position offset {binding.position_offset} != "
@@ -314,7 +389,7 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
                 up_v_weight=v_up_weight, position_ids=position_ids, attn_mask_type=self.attn_mask_type)
         else:
             core_out = self.core_attention.forward_after_prefix(
-                q_absorbed, kv_latent, state.filled(), hidden_states, q_compressed, v_up_weight)
+                q_absorbed, kv_latent, state.filled(), hidden_states, q_compressed, v_up_weight, binding)
             if mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
                 state.append(kv_latent.squeeze(2)[:binding.valid_length])
         core_out = _apply_absorbed_v_up_projection(

@@ -42,10 +42,25 @@ from megatron_longstraw.longstraw.state import LayerState
 
 
 class _PagedState(LayerState):
-    """A buffer ``[prompt, b, d]`` sized for the whole prompt, filled page by page (``length``)."""
+    """A buffer ``[prompt, b, d]`` sized for the whole prompt, filled page by page (``length``).
+
+    Under context parallelism ``positions_P`` holds the global prompt position of every row of
+    this rank's buffer (set by ``capture_prompt_cp``; bookkeeping, not state: one int64 tensor
+    shared by all layers, excluded from ``tensors``); ``None`` otherwise.
+    """
 
     length: int
+    positions_P: Optional[torch.Tensor] = None
     sample_dim = 1
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state's tensors by field name (not the shared positions)."""
+        return {name: t for name, t in super().tensors().items() if name != "positions_P"}
+
+    def filled_positions(self) -> torch.Tensor:
+        """Global positions of the filled rows (context parallelism only)."""
+        assert self.positions_P is not None, "positions are set by the context-parallel capture"
+        return self.positions_P[: self.length]
 
     def _buffer(self) -> torch.Tensor:
         raise NotImplementedError
@@ -71,6 +86,7 @@ class MLALatentState(_PagedState):
     latent_SBD: torch.Tensor
     kv_lora_rank: int
     length: int = 0
+    positions_P: Optional[torch.Tensor] = None
 
     def _buffer(self) -> torch.Tensor:
         return self.latent_SBD
@@ -92,6 +108,7 @@ class IndexerKeyState(_PagedState):
 
     key_SBD: torch.Tensor
     length: int = 0
+    positions_P: Optional[torch.Tensor] = None
 
     def _buffer(self) -> torch.Tensor:
         return self.key_SBD

@@ -1,9 +1,11 @@
 """Run a test function in N gloo processes (CPU) and collect each rank's return value."""
 
+import io
 import os
 import socket
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -17,7 +19,10 @@ def _worker(rank, world_size, port, fn, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        queue.put((rank, "ok", fn(*args)))
+        # as bytes: tensors sent as shared-memory handles can outlive a rank that already exited
+        buffer = io.BytesIO()
+        torch.save(fn(*args), buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # report every failure to the parent, which raises it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -44,7 +49,7 @@ def run_multiprocess(fn, world_size: int, *args, timeout: float = 600.0) -> list
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for proc in procs:
             proc.join(timeout=30)

@@ -23,6 +23,10 @@ def build_policy(args):
     hf = resolve_hf_config(args.hf_config or args.model)
     if args.max_position_embeddings:
         hf["max_position_embeddings"] = args.max_position_embeddings
+    if hf["model_type"] == "glm_moe_dsa" and args.parallel.context > 1 and args.rollout_source == "internal":
+        raise ValueError(f"--context-parallel-size {args.parallel.context} with a GLM-5 model: decoding "
+                         "(internal rollouts) under context parallelism is not supported yet for MLA + DSA; "
+                         "use --rollout-source jsonl")
     options = ModelOptions(
         transformer_impl=args.transformer_impl, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe, sequence_parallel=args.sequence_parallel,

@@ -1,0 +1,177 @@
+"""CP=2 (two gloo processes) against CP=1 for LongStraw capture/replay on GLM-5 (MLA latents +
+DSA indexer keys + MoE): the DSA top-k selections in capture and replay, response logits (fp32),
+per-parameter gradients after replay (fp64), the latents and indexer keys per rank (each rank's
+rows are CP=1's rows at its positions), uneven shards included; decoding under CP is refused.
+One spawn runs every case."""
+
+import pytest
+import torch
+
+from megatron_longstraw.models.presets import resolve_hf_config
+from megatron_longstraw.testing.multiprocess import run_multiprocess
+
+PRESET = "glm-5-debug"  # index_topk 8: prompts of 40+ tokens drop keys
+# (prompt length, chunk size): one chunk (shards 23 | 22), and chunks of 16 that do not divide
+# the prompt (8|8, 8|8, 7|6); no chunk is folded, so CP=1 and CP=2 capture the same chunks
+CASES = [(45, 64), (45, 16)]
+GRAD_CASE = (37, 16)
+RESPONSES = (11, 6)
+
+
+def _tokens(hf, n, seed):
+    return torch.randint(0, hf["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _model(hf, dtype):
+    from megatron_longstraw.models.options import ModelOptions
+    from megatron_longstraw.testing.hf_reference import build_hf_model
+    from megatron_longstraw.testing.parity import megatron_from_hf
+
+    return megatron_from_hf(hf, build_hf_model(hf, seed=0).to(dtype), ModelOptions(params_dtype=dtype))
+
+
+class _RecordTopk:
+    """Records every top-k the DSA indexers return (capture chunks, then replay)."""
+
+    def __init__(self):
+        from megatron_longstraw.models.glm5_layers import LongStrawDSAIndexer
+
+        self.cls, self.original, self.calls = LongStrawDSAIndexer, LongStrawDSAIndexer.topk_after_prefix, []
+
+    def __enter__(self):
+        original, calls = self.original, self.calls
+
+        def recording(module, x, qr):
+            topk = original(module, x, qr)
+            calls.append(topk.clone())
+            return topk
+
+        self.cls.topk_after_prefix = recording
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.topk_after_prefix = self.original
+
+
+def _run_cases(hf):
+    from megatron_longstraw.longstraw.capture import capture_prompt
+    from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
+
+    model = _model(hf, torch.float32)
+    out = {"cases": {}}
+    for length, chunk in CASES:
+        prompt, response = _tokens(hf, length, length), _tokens(hf, 13, 100 + length)
+        with torch.no_grad(), _RecordTopk() as topk:
+            state = capture_prompt(model, prompt, chunk)
+            logits = replay_logits(model, state, response)[:, 0]
+        out["cases"][length, chunk] = dict(
+            logits=logits, topk=topk.calls,
+            layers={name: {f: t.clone() for f, t in s.tensors().items()} for name, s in state.layers.items()})
+    model = _model(hf, torch.float64)
+    length, chunk = GRAD_CASE
+    with torch.no_grad():
+        state = capture_prompt(model, _tokens(hf, length, 3), chunk)
+    responses = [_tokens(hf, n, 10 + n)[0] for n in RESPONSES]
+    replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / sum(RESPONSES),
+                     micro_batch_size=2)
+    out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out
+
+
+def _error(fn):
+    try:
+        fn()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _cp_worker(hf):
+    from megatron.core import parallel_state
+
+    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.longstraw.capture import capture_prompt
+    from megatron_longstraw.longstraw.context_parallel import check_context_parallel_support
+    from megatron_longstraw.rollout.generate import generate_from_state
+
+    torch.set_num_threads(1)  # two ranks on a small CPU
+    init_distributed(ParallelSizes(context=2), seed=1234)
+    out = _run_cases(hf)
+    out["cp_rank"] = parallel_state.get_context_parallel_rank()
+    model = _model(hf, torch.float32)
+    with torch.no_grad():
+        state = capture_prompt(model, _tokens(hf, 9, 0), 4)
+    out["decode"] = _error(lambda: generate_from_state(model, state, num_samples=2, max_new_tokens=2, eos_id=0))
+    out["unsupported"] = _error(lambda: check_context_parallel_support(_NoCPModel()))
+    return out
+
+
+class _NoCPModel(torch.nn.Module):
+    """A model with a stateful layer kind that does not declare context-parallel support."""
+
+    def __init__(self):
+        from megatron_longstraw.longstraw.binding import StatefulModule
+
+        super().__init__()
+        self.layer = type("PlainStateLayer", (torch.nn.Module, StatefulModule), {})()
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+
+    hf = resolve_hf_config(PRESET)
+    init_distributed(ParallelSizes(), seed=1234)
+    try:
+        reference = _run_cases(hf)
+    finally:
+        destroy_distributed()
+    return reference, run_multiprocess(_cp_worker, 2, hf)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"P{p}-chunk{c}" for p, c in CASES])
+def test_cp2_glm5_topk_logits_and_state_match_cp1(runs, case):
+    from megatron_longstraw.longstraw.context_parallel import shard_plan
+
+    reference, ranks = runs
+    ref = reference["cases"][case]
+    assert any((t == -1).any() or t.shape[-1] < case[0] for t in ref["topk"])  # DSA drops keys here
+    plan = shard_plan(case[0], case[1], 2)
+    for rank, run in enumerate(ranks):
+        got = run["cases"][case]
+        assert len(got["topk"]) == len(ref["topk"])
+        for i, (a, b) in enumerate(zip(got["topk"], ref["topk"])):
+            assert torch.equal(a, b), f"rank {rank}: top-k call {i} differs"
+        diff = (got["logits"] - ref["logits"]).abs().max().item()
+        assert diff <= 1e-5, f"rank {rank}: max abs logit diff {diff}"
+        own = torch.cat([torch.arange(start + sum(sizes[:rank]), start + sum(sizes[:rank + 1]))
+                         for start, sizes in plan])
+        for name, layer in ref["layers"].items():
+            for field, tensor in layer.items():
+                err = (got["layers"][name][field] - tensor[own]).abs().max().item()
+                assert err <= 1e-5, (rank, name, field, err)
+
+
+def test_cp2_glm5_replay_gradients_match_cp1(runs):
+    reference, ranks = runs
+    for rank, run in enumerate(ranks):
+        assert set(run["grads"]) == set(reference["grads"])
+        for name, ref in reference["grads"].items():
+            rel = ((run["grads"][name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            assert rel <= 1e-5, f"rank {rank} {name}: relative gradient error {rel}"
+
+
+def test_cp2_glm5_refusals_name_what_is_missing(runs):
+    _, ranks = runs
+    for run in ranks:
+        assert run["decode"] and "context parallelism" in run["decode"] and "decode" in run["decode"]
+        assert run["unsupported"] and "PlainStateLayer" in run["unsupported"]
+
+
+def test_trainer_refuses_glm5_decoding_under_cp_before_building():
+    from megatron_longstraw.training.arguments import parse_args
+    from megatron_longstraw.training.setup import build_policy
+
+    args = parse_args(["--model", "glm-5-debug", "--context-parallel-size", "2"], world_size=2)
+    with pytest.raises(ValueError, match="--context-parallel-size 2 with a GLM-5 model.*--rollout-source jsonl"):
+        build_policy(args)
