@@ -8,6 +8,7 @@ import torch
 
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import run_multiprocess
+from megatron_longstraw.testing.parity import random_tokens, seeded_model, value_error_text
 
 PRESET = "qwen3.5-debug"
 # (prompt length, chunk size): one chunk (plain contiguous shards 23 | 22), chunks of 16 that do
@@ -16,18 +17,6 @@ PRESET = "qwen3.5-debug"
 CASES = [(45, 64), (45, 16), (7, 2)]
 GRAD_CASE = (21, 8)  # 8|8, 3|2 shards
 RESPONSES = (9, 4, 6)
-
-
-def _tokens(hf, n, seed):
-    return torch.randint(0, hf["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _model(hf, dtype):
-    from megatron_longstraw.models.options import ModelOptions
-    from megatron_longstraw.testing.hf_reference import build_hf_model
-    from megatron_longstraw.testing.parity import megatron_from_hf
-
-    return megatron_from_hf(hf, build_hf_model(hf, seed=0).to(dtype), ModelOptions(params_dtype=dtype))
 
 
 def _nll(total_tokens):
@@ -42,10 +31,10 @@ def _run_cases(hf):
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
 
-    model = _model(hf, torch.float32)
+    model = seeded_model(hf, torch.float32)
     out = {"cases": {}}
     for length, chunk in CASES:
-        prompt, response = _tokens(hf, length, length), _tokens(hf, 13, 100 + length)
+        prompt, response = random_tokens(hf, length, length), random_tokens(hf, 13, 100 + length)
         with torch.no_grad():
             state = capture_prompt(model, prompt, chunk)
             logits = replay_logits(model, state, response)[:, 0]
@@ -53,23 +42,15 @@ def _run_cases(hf):
             logits=logits, last_logits=state.last_logits_BV[0], nbytes=state.nbytes(),
             layers={name: {f: t.clone() for f, t in s.tensors().items()} | {"length": getattr(s, "length", None)}
                     for name, s in state.layers.items()})
-    model = _model(hf, torch.float64)
+    model = seeded_model(hf, torch.float64)
     length, chunk = GRAD_CASE
-    prompt = _tokens(hf, length, 3)
-    responses = [_tokens(hf, n, 10 + n)[0] for n in RESPONSES]
+    prompt = random_tokens(hf, length, 3)
+    responses = [random_tokens(hf, n, 10 + n)[0] for n in RESPONSES]
     with torch.no_grad():
         state = capture_prompt(model, prompt, chunk)
     replay_responses(model, state, responses, _nll(sum(RESPONSES)), micro_batch_size=2)
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out
-
-
-def _errors(fn):
-    try:
-        fn()
-    except ValueError as error:
-        return str(error)
-    return None
 
 
 def _cp_worker(hf):
@@ -86,12 +67,12 @@ def _cp_worker(hf):
     init_distributed(ParallelSizes(context=2), seed=1234)
     out = _run_cases(hf)
     out["cp_rank"] = parallel_state.get_context_parallel_rank()
-    model = _model(hf, torch.float32)
-    prompt = _tokens(hf, 9, 0)
+    model = seeded_model(hf, torch.float32)
+    prompt = random_tokens(hf, 9, 0)
     out["bad"] = {
-        "chunk": _errors(lambda: capture_prompt(model, prompt, 1)),
-        "short": _errors(lambda: capture_prompt(model, prompt[:, :1], 4)),
-        "full_graph": _errors(lambda: full_graph_logits(model, prompt, prompt[:, :3])),
+        "chunk": value_error_text(lambda: capture_prompt(model, prompt, 1)),
+        "short": value_error_text(lambda: capture_prompt(model, prompt[:, :1], 4)),
+        "full_graph": value_error_text(lambda: full_graph_logits(model, prompt, prompt[:, :3])),
     }
     return out
 

@@ -9,6 +9,7 @@ import torch
 
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import run_multiprocess
+from megatron_longstraw.testing.parity import random_tokens, seeded_model, value_error_text
 
 PRESET = "glm-5-debug"  # index_topk 8: prompts of 40+ tokens drop keys
 # (prompt length, chunk size): one chunk (shards 23 | 22), and chunks of 16 that do not divide
@@ -16,18 +17,6 @@ PRESET = "glm-5-debug"  # index_topk 8: prompts of 40+ tokens drop keys
 CASES = [(45, 64), (45, 16)]
 GRAD_CASE = (37, 16)
 RESPONSES = (11, 6)
-
-
-def _tokens(hf, n, seed):
-    return torch.randint(0, hf["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _model(hf, dtype):
-    from megatron_longstraw.models.options import ModelOptions
-    from megatron_longstraw.testing.hf_reference import build_hf_model
-    from megatron_longstraw.testing.parity import megatron_from_hf
-
-    return megatron_from_hf(hf, build_hf_model(hf, seed=0).to(dtype), ModelOptions(params_dtype=dtype))
 
 
 class _RecordTopk:
@@ -57,33 +46,25 @@ def _run_cases(hf):
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
 
-    model = _model(hf, torch.float32)
+    model = seeded_model(hf, torch.float32)
     out = {"cases": {}}
     for length, chunk in CASES:
-        prompt, response = _tokens(hf, length, length), _tokens(hf, 13, 100 + length)
+        prompt, response = random_tokens(hf, length, length), random_tokens(hf, 13, 100 + length)
         with torch.no_grad(), _RecordTopk() as topk:
             state = capture_prompt(model, prompt, chunk)
             logits = replay_logits(model, state, response)[:, 0]
         out["cases"][length, chunk] = dict(
             logits=logits, topk=topk.calls,
             layers={name: {f: t.clone() for f, t in s.tensors().items()} for name, s in state.layers.items()})
-    model = _model(hf, torch.float64)
+    model = seeded_model(hf, torch.float64)
     length, chunk = GRAD_CASE
     with torch.no_grad():
-        state = capture_prompt(model, _tokens(hf, length, 3), chunk)
-    responses = [_tokens(hf, n, 10 + n)[0] for n in RESPONSES]
+        state = capture_prompt(model, random_tokens(hf, length, 3), chunk)
+    responses = [random_tokens(hf, n, 10 + n)[0] for n in RESPONSES]
     replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / sum(RESPONSES),
                      micro_batch_size=2)
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out
-
-
-def _error(fn):
-    try:
-        fn()
-    except ValueError as error:
-        return str(error)
-    return None
 
 
 def _cp_worker(hf):
@@ -98,11 +79,12 @@ def _cp_worker(hf):
     init_distributed(ParallelSizes(context=2), seed=1234)
     out = _run_cases(hf)
     out["cp_rank"] = parallel_state.get_context_parallel_rank()
-    model = _model(hf, torch.float32)
+    model = seeded_model(hf, torch.float32)
     with torch.no_grad():
-        state = capture_prompt(model, _tokens(hf, 9, 0), 4)
-    out["decode"] = _error(lambda: generate_from_state(model, state, num_samples=2, max_new_tokens=2, eos_id=0))
-    out["unsupported"] = _error(lambda: check_context_parallel_support(_NoCPModel()))
+        state = capture_prompt(model, random_tokens(hf, 9, 0), 4)
+    out["decode"] = value_error_text(
+        lambda: generate_from_state(model, state, num_samples=2, max_new_tokens=2, eos_id=0))
+    out["unsupported"] = value_error_text(lambda: check_context_parallel_support(_NoCPModel()))
     return out
 
 

@@ -23,8 +23,6 @@ the scores of a query block against a rank's keys are materialized, so memory is
 per rank; the blockwise GPU path is the long-context issue's work.
 """
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import (

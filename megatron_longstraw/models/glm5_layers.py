@@ -20,7 +20,9 @@ LongStraw (capture/replay/decode, ``longstraw.binding``): ``LongStrawAbsorbedMLA
 owns the MLA latent state, ``LongStrawDSAIndexer`` the indexer keys (``glm5_state``), and
 ``LongStrawDSAttention`` attends new tokens over ``[prompt state; new tokens]``
 (``prefix_sparse_attention``), or in decode over ``[shared prompt state; the sample's own
-tokens]`` (``glm5_decode``). Unbound, all three are Megatron's modules unchanged.
+tokens]`` (``glm5_decode``). Under context parallelism capture and replay select the top-k and
+attend over every CP rank's shard (``attention/cp_sparse_attention.py``); decoding is refused.
+Unbound, all three are Megatron's modules unchanged.
 """
 
 import contextlib
@@ -229,7 +231,6 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
             state.append(k[:binding.valid_length])
         return topk
 
-
     def _topk_context_parallel(self, q, k, weights, binding, group):
         """Global top-k positions over every CP rank's keys (``cp_index_topk``): in CAPTURE for all
         of the chunk's queries (all-gathered), in REPLAY for the replicated response."""
@@ -315,7 +316,7 @@ class LongStrawDSAttention(DSAttention):
     def forward_decode(self, query_SBNK, latents: MLADecodeState, x, qr, up_v_weight):
         """Decode: the newest tokens' attention over ``[shared prompt latents; the samples' own
         latents]`` (the new ones already appended to ``latents``); ``[s, b, heads * v]``."""
-        _refuse_unsupported(self, "DSA")
+        _refuse_unsupported(self, "DSA", mode=Mode.DECODE)
         topk = self._topk(x, qr, lambda x, qr: self.indexer.topk_decode(x, qr))
         return decode_sparse_attention(query_SBNK, latents.prompt.filled(), latents.filled(), topk,
                                        up_v_weight, self.softmax_scale, self.config.kv_lora_rank)

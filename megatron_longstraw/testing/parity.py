@@ -18,6 +18,25 @@ def megatron_from_hf(hf: dict, hf_model, options: ModelOptions = ModelOptions())
     return model.eval()
 
 
+def seeded_model(hf: dict, dtype=torch.float32, seed: int = 0):
+    """``megatron_from_hf`` of the HF reference model built from ``seed``, in ``dtype``."""
+    return megatron_from_hf(hf, build_hf_model(hf, seed=seed).to(dtype), ModelOptions(params_dtype=dtype))
+
+
+def random_tokens(hf: dict, n: int, seed: int) -> torch.Tensor:
+    """``[1, n]`` token ids uniform over the vocabulary, reproducible from ``seed``."""
+    return torch.randint(0, hf["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def value_error_text(fn) -> str | None:
+    """The message of the ``ValueError`` ``fn()`` raises, or ``None`` when it raises none."""
+    try:
+        fn()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def forward_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary logits ``[b, s, vocab]`` for ``tokens_BS``."""
     position_ids = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
