@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_longstraw.models.presets import resolve_hf_config
-from megatron_longstraw.testing.multiprocess import run_multiprocess
+from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
 from megatron_longstraw.testing.parity import random_tokens, seeded_model, value_error_text
 
 PRESET = "qwen3.5-debug"
@@ -79,15 +79,8 @@ def _cp_worker(hf):
 
 @pytest.fixture(scope="module")
 def runs():
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
-
     hf = resolve_hf_config(PRESET)
-    init_distributed(ParallelSizes(), seed=1234)
-    try:
-        reference = _run_cases(hf)
-    finally:
-        destroy_distributed()
-    return reference, run_multiprocess(_cp_worker, 2, hf)
+    return on_one_rank(_run_cases, hf), run_multiprocess(_cp_worker, 2, hf)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"P{p}-chunk{c}" for p, c in CASES])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_longstraw.models.presets import resolve_hf_config
-from megatron_longstraw.testing.multiprocess import run_multiprocess
+from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
 
 PRESETS = ("qwen3.5-debug", "glm-5-debug")
 # (prompt length, chunk size): uneven last chunk (16, 16, 13), odd chunks (7 ...), one chunk
@@ -113,16 +113,8 @@ def _tp_worker(hfs, references):
 
 @pytest.fixture(scope="module")
 def runs():
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
-
     hfs = {preset: resolve_hf_config(preset) for preset in PRESETS}
-    references = {}
-    init_distributed(ParallelSizes(), seed=1234)
-    try:
-        for preset, hf in hfs.items():
-            references[preset] = _run_cases(hf)[0]
-    finally:
-        destroy_distributed()
+    references = on_one_rank(lambda: {preset: _run_cases(hf)[0] for preset, hf in hfs.items()})
     return references, run_multiprocess(_tp_worker, 2, hfs, references)
 
 

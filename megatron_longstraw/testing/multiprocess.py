@@ -56,3 +56,15 @@ def run_multiprocess(fn, world_size: int, *args, timeout: float = 600.0) -> list
             if proc.is_alive():
                 proc.terminate()
     return [results[r] for r in range(world_size)]
+
+
+def on_one_rank(fn, *args):
+    """``fn(*args)`` in a one-process group (Megatron's parallel state set up, seed 1234), torn
+    down afterwards: the single-rank reference that multi-rank runs are compared with."""
+    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+
+    init_distributed(ParallelSizes(), seed=1234)
+    try:
+        return fn(*args)
+    finally:
+        destroy_distributed()
