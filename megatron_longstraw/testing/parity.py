@@ -28,6 +28,11 @@ def random_tokens(hf: dict, n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, hf["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
 
 
+def max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |got - want| / max |want|`` (the gradient checks' measure)."""
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
 def value_error_text(fn) -> str | None:
     """The message of the ``ValueError`` ``fn()`` raises, or ``None`` when it raises none."""
     try:
