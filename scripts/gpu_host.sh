@@ -9,11 +9,17 @@
 #       bash scripts/gpu_host.sh bench [tools/bench_longstraw.py args ...]
 #       bash scripts/gpu_host.sh bench-with-tests [bench args ...]
 #       bash scripts/gpu_host.sh train [train_grpo.py args ...]
+#       bash scripts/gpu_host.sh train-sweep "COMMON ARGS" NAME "ARGS" [NAME "ARGS" ...]
+# On a host of several GPUs, verbs run side by side with CUDA_VISIBLE_DEVICES and OUT=$OUT/NAME
+# each (install .whl-b first with `install-b` so that they do not race on it).
 # `run` installs .whl-b when carried, runs the GPU test tier (tests/gpu), prints a table.
 # `bench` runs the LongStraw benchmark into $OUT/bench (copy it into docs/ afterwards).
 # `bench-with-tests` runs the GPU test tier in the background while the benchmark runs: the
 # benchmark's times are then upper bounds (use it for thresholds, not for ratios).
 # `train` runs train_grpo.py into $OUT/train (metrics.jsonl and learning_curve.png).
+# `train-sweep` runs several train_grpo.py side by side (common args + each NAME's args), spread
+# round-robin over the visible GPUs, plots each, prints a table, and returns $OUT/train-sweep.tgz
+# (train-NAME/metrics.jsonl, log.txt, learning_curve.png).
 # Wheels come from ../shared/offline-gpu/fetch-wheels.sh, run here in the repo root.
 #
 # Kernel cache: a fresh host spends ~4 minutes compiling and autotuning fla's Triton and tilelang
@@ -31,7 +37,10 @@ limit=${GPU_HOST_TIMEOUT:-540}  # seconds for pytest / the benchmark, inside a d
 export TRITON_CACHE_DIR=$kcache/triton TILELANG_CACHE_DIR=$kcache/tilelang TRITON_CACHE_AUTOTUNING=1
 out=${OUT:-/tmp/gpu-host-out}
 mkdir -p "$out"
-install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$1"/*.whl; }
+install() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$1"/*.whl
+  touch "$site/.installed-$(basename "$1")"
+}
 parts=/tmp/kernel-parts  # pieces of the cache gathered over the calls of one warm host
 restore_cache() {
   mkdir -p $parts
@@ -60,15 +69,19 @@ save_cache() {
 # every verb but install-a: second wheel folder if carried, import paths, the kernel cache on exit
 prepare() {
   trap save_cache EXIT
-  if [ -d .whl-b ]; then install .whl-b; fi
+  if [ -d .whl-b ] && [ ! -f $site/.installed-.whl-b ]; then install .whl-b; fi
   export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   if [ -d /tmp/te-site ]; then export PYTHONPATH=/tmp/te-site:$PYTHONPATH; fi
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader || true
 }
 gpu_tests() {  # pytest args; junit XML and log into $out, then the table
+  local ngpu spread=()
+  ngpu=$(nvidia-smi -L | wc -l)
+  # several GPUs: one pytest-xdist worker per GPU (tests/conftest.py pins each worker's GPU)
+  if [ "$ngpu" -gt 1 ]; then spread=(-n "$ngpu" --dist loadfile); export LONGSTRAW_TEST_GPUS=$ngpu; fi
   set +e
-  timeout "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --junitxml="$out/gpu-tests.xml" tests/gpu "$@" \
-    >"$out/gpu-tests.log" 2>&1
+  timeout "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=15 "${spread[@]}" \
+    --junitxml="$out/gpu-tests.xml" tests/gpu "$@" >"$out/gpu-tests.log" 2>&1
   local status=$?
   set -e
   tail -n 30 "$out/gpu-tests.log"
@@ -94,6 +107,27 @@ case "${1:-}" in
     set +e; wait $tests_pid; status=$?; set -e
     tail -n 5 "$out/gpu-tests.log"; python3 tools/gpu_summary.py "$out/gpu-tests.xml" || true
     exit $status ;;
+  install-b) install .whl-b; echo "installed .whl-b into $site" ;;
+  train-sweep)
+    shift; prepare
+    common=${1:?usage: train-sweep "COMMON ARGS" NAME "ARGS" ...}; shift
+    ngpu=$(nvidia-smi -L | wc -l); i=0; names=(); declare -A own_args
+    while [ $# -ge 2 ]; do
+      name=$1 own=$2; shift 2; names+=("$name"); own_args[$name]=$own; mkdir -p "$out/train-$name"
+      # shellcheck disable=SC2086  # the args are word lists on purpose
+      CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout "$limit" python3 train_grpo.py --no-save \
+        --wandb-save-dir "$out/train-$name" --log-interval 10 $common $own >"$out/train-$name/log.txt" 2>&1 &
+      i=$((i + 1))
+    done
+    set +e; wait; set -e
+    for name in "${names[@]}"; do
+      echo "== $name: $(grep -E '^step|Error' "$out/train-$name/log.txt" | tail -n 1)"
+      python3 tools/plot_metrics.py "$out/train-$name/metrics.jsonl" --keys reward/mean,entropy/mean \
+        --output "$out/train-$name/learning_curve.png" --title "train_grpo.py $common ${own_args[$name]}" || true
+    done
+    # a device call returns at most 8 files: the runs' metrics, logs and plots travel as one archive
+    (cd "$out" && tar czf train-sweep.tgz train-*/metrics.jsonl train-*/log.txt train-*/learning_curve.png \
+      && rm -rf train-*/) || true ;;
   train)
     shift; prepare
     mkdir -p "$out/train"
@@ -105,6 +139,6 @@ case "${1:-}" in
     python3 tools/plot_metrics.py "$out/train/metrics.jsonl" --keys reward/mean,entropy/mean \
       --output "$out/train/learning_curve.png" --title "train_grpo.py $*" || true
     exit "$status" ;;
-  *) echo "usage: bash scripts/gpu_host.sh install-a | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | train [args]" >&2
+  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | train [args] | train-sweep COMMON NAME ARGS ..." >&2
      exit 2 ;;
 esac

@@ -1,7 +1,19 @@
-"""Shared fixtures: a single-process Megatron setup for CPU tests; GPU tests are marked."""
+"""Shared fixtures: a single-process Megatron setup for CPU tests; GPU tests are marked.
+
+On a host of several GPUs the GPU tier runs under pytest-xdist (``-n N``) with
+``LONGSTRAW_TEST_GPUS=N``: each worker then sees one GPU of its own.
+"""
+
+import os
 
 import pytest
-import torch
+
+if os.environ.get("LONGSTRAW_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER"):
+    # before anything initializes CUDA; gw0, gw1, ... -> GPU 0, 1, ...
+    worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(worker % int(os.environ["LONGSTRAW_TEST_GPUS"]))
+
+import torch  # noqa: E402
 
 
 def pytest_configure(config):

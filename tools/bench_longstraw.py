@@ -164,6 +164,15 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
     return result
 
 
+def _mean(values):
+    return sum(values) / len(values) if values else None
+
+
+def _cell(value, spec):
+    """A table cell: blank where a mode has no such figure (the full graph has no capture)."""
+    return "" if value is None else format(value, spec)
+
+
 def write_outputs(results, args, command, quiet=False):
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -176,13 +185,11 @@ def write_outputs(results, args, command, quiet=False):
         if r.get("oom"):
             lines.append(f"| {r['mode']} | {r['prompt_length']} | {r['group']} | OOM | | | | | | | >{r['peak_gib']:.1f} | | |")
             continue
-        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-        lines.append(
-            f"| {r['mode']} | {r['prompt_length']} | {r['group']} | {r.get('capture_s', float('nan')):.1f} "
-            f"| {r.get('capture_mfu', float('nan')):.1%} | {mean(r.get('replay_s', [])):.2f} "
-            f"| {mean(r.get('per_sample_s', [])):.2f} | {r['step_s']:.1f} | {r.get('state_gib', float('nan')):.2f} "
-            f"| {r.get('activation_gib', float('nan')):.2f} | {r['peak_gib']:.2f} "
-            f"| {r.get('floor_gib', float('nan')):.2f} | {r.get('peak_over_floor', float('nan')):.3f} |")
+        cells = [_cell(r.get("capture_s"), ".1f"), _cell(r.get("capture_mfu"), ".1%"),
+                 _cell(_mean(r.get("replay_s")), ".2f"), _cell(_mean(r.get("per_sample_s")), ".2f"),
+                 _cell(r["step_s"], ".1f"), _cell(r.get("state_gib"), ".2f"), _cell(r.get("activation_gib"), ".2f"),
+                 _cell(r["peak_gib"], ".2f"), _cell(r.get("floor_gib"), ".2f"), _cell(r.get("peak_over_floor"), ".3f")]
+        lines.append(f"| {r['mode']} | {r['prompt_length']} | {r['group']} | " + " | ".join(cells) + " |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     _plot(results, out / f"{stem}.png", command)
     if not quiet:
