@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_longstraw.attention import sdpa_core
+from megatron_longstraw.attention import dsa_blockwise, sdpa_core
 from megatron_longstraw.attention.decode_attention import decode_attention
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
 from megatron_longstraw.longstraw.capture import capture_prompt
@@ -11,7 +11,7 @@ from megatron_longstraw.longstraw.decode_state import new_decode_state
 from megatron_longstraw.longstraw.decode_step import decode_step
 from megatron_longstraw.longstraw.model_steps import token_logprobs
 from megatron_longstraw.longstraw.replay import replay_logits
-from megatron_longstraw.models import glm5_decode, glm5_layers
+from megatron_longstraw.models import glm5_layers
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.rollout.generate import generate_from_state
@@ -44,7 +44,7 @@ def _full_logits(model, prompt_1S, response_R):
 def _small_blocks(monkeypatch):
     """Exercise the blocked prompt parts: 7 prompt keys per attention / indexer block."""
     monkeypatch.setenv("LONGSTRAW_PREFIX_BLOCK", "7")
-    monkeypatch.setattr(glm5_decode, "PROMPT_SCORE_BLOCK", 7)
+    monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", 7)
 
 
 # ----------------------------------------------------------------------------- against the full forward

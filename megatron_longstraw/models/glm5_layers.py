@@ -35,22 +35,18 @@ from megatron.core.transformer.experimental_attention_variant.absorbed_mla impor
     AbsorbedMLASelfAttention,
     _apply_absorbed_v_up_projection,
 )
-from megatron.core.transformer.experimental_attention_variant.dsa import (
-    DSAIndexer,
-    DSAttention,
-    _run_sparse_attention,
-)
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer, DSAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longstraw.attention.cp_sparse_attention import (
     chunk_query_positions, cp_index_topk, cp_sparse_latent_attention, up_project)
+from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise, sparse_latent_attention
 from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
 from megatron_longstraw.longstraw.context_parallel import all_gather_rows, context_parallel_group
 from megatron_longstraw.models.glm5_decode import decode_index_topk, decode_sparse_attention
 from megatron_longstraw.models.glm5_state import (
     IndexerDecodeState, IndexerKeyState, MLADecodeState, MLALatentState)
-from megatron_longstraw.patches.dsa_causal_topk import fused_qk_topk_causal
 
 
 class DuplicatedLinear(MegatronModule):
@@ -135,20 +131,6 @@ def _refuse_unsupported(module, what: str, packed_seq_params=None, inference_con
                          "--rollout-source jsonl")
 
 
-def _with_prefix(prefix_SBD: torch.Tensor, new_SBD: torch.Tensor) -> torch.Tensor:
-    """``[prefix; new]`` along the sequence; a batch-1 prefix serves every sample of ``new``."""
-    prefix_SBD = prefix_SBD.to(new_SBD.dtype)
-    if prefix_SBD.shape[1] != new_SBD.shape[1]:
-        prefix_SBD = prefix_SBD.expand(prefix_SBD.shape[0], new_SBD.shape[1], *prefix_SBD.shape[2:])
-    return torch.cat([prefix_SBD, new_SBD])
-
-
-def _causal_bounds(prefix_length: int, seq: int, device):
-    """Megatron's varlen key bounds ``[0, position + 1)`` for queries at ``prefix_length...``."""
-    ends = torch.arange(prefix_length + 1, prefix_length + seq + 1, dtype=torch.int64, device=device)
-    return torch.zeros(seq, dtype=torch.int64, device=device), ends
-
-
 def prefix_sparse_attention(query_SBNK, key_SBK, prefix_key_SBK, topk_indices_BSK, up_v_weight,
                             softmax_scale: float, config) -> torch.Tensor:
     """Absorbed-MLA sparse attention of new-token queries over ``[prefix latents; new latents]``.
@@ -156,20 +138,14 @@ def prefix_sparse_attention(query_SBNK, key_SBK, prefix_key_SBK, topk_indices_BS
     ``query_SBNK`` ``[s, b, heads, kv_lora_rank + rope]`` (absorbed, post-RoPE), ``key_SBK`` the new
     tokens' latents ``[s, b, kv_lora_rank + rope]``, ``prefix_key_SBK`` the prompt state's
     ``[p, b or 1, ...]`` (no gradient); ``topk_indices_BSK`` index ``[prefix; new]``, -1 for none.
-    Each query sees the selected keys at or before its position. Returns ``[s, b, heads * v]``
-    after the V up projection. This is the one place the computation lives: the CPU path is
-    Megatron's own absorbed sparse attention (dense scores, masked) on the concatenated keys;
-    a chunked GPU path over the prompt pages can replace it without touching the callers.
+    Each query attends to its selected keys only, gathered in blocks
+    (``attention/dsa_blockwise.sparse_latent_attention``: Megatron's unfused absorbed math without
+    its dense ``[heads, queries, keys]`` scores). Returns ``[s, b, heads * v]`` after the V up
+    projection.
     """
-    seq = query_SBNK.shape[0]
-    prefix_length = prefix_key_SBK.shape[0]
-    key_SB1K = _with_prefix(prefix_key_SBK, key_SBK).unsqueeze(2)
-    starts, ends = _causal_bounds(prefix_length, seq, query_SBNK.device)
-    return _run_sparse_attention(
-        absorbed_mla=True, query=query_SBNK, key=key_SB1K, value=None, up_v_weight=up_v_weight,
-        topk_indices=topk_indices_BSK, softmax_scale=softmax_scale, config=config, mask=None,
-        varlen_starts=starts, varlen_ends=ends, key_positions=None,
-    )
+    segments = [(prefix_key_SBK.to(key_SBK.dtype), 0), (key_SBK, prefix_key_SBK.shape[0])]
+    return up_project(sparse_latent_attention(query_SBNK, segments, topk_indices_BSK, softmax_scale,
+                                              config.kv_lora_rank), up_v_weight)
 
 
 class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
@@ -223,10 +199,8 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
         group = context_parallel_group()
         if group is not None:
             return self._topk_context_parallel(q, k, weights, binding, group)
-        starts, ends = _causal_bounds(state.length, q.shape[0], q.device)
-        _, topk = fused_qk_topk_causal(q, _with_prefix(state.filled(), k), weights, self.index_topk,
-                                       varlen_starts=starts, varlen_ends=ends,
-                                       use_relu=self.config.dsa_indexer_scoring_relu)
+        topk = index_topk_blockwise(q, weights, [(state.filled(), 0), (k, state.length)], state.length,
+                                    self.index_topk, self.config.dsa_indexer_scoring_relu)
         if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
             state.append(k[:binding.valid_length])
         return topk
