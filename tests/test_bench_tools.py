@@ -46,3 +46,46 @@ def test_bench_tool_end_to_end(tmp_path):
     assert modes == [("full", 1), ("longstraw", 1), ("longstraw", 3)]
     assert (tmp_path / "bench_qwen3.5-debug.png").stat().st_size > 1000
     assert "Command: `" in (tmp_path / "bench_qwen3.5-debug.md").read_text()
+
+
+def test_bench_tool_glm_reports_flops_and_capture_split(tmp_path):
+    """GLM-5 tiny through the benchmark: capture MFU from the GLM FLOPs formula and the capture
+    time split into indexer, sparse MLA, MoE and the rest (which add up to the capture time)."""
+    cmd = [sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "glm-5-debug",
+           "--prompt-lengths", "80", "--group-sizes", "2", "--response-length", "8", "--modes", "longstraw",
+           "--prompt-chunk-size", "32", "--warmup-prompt-length", "0", "--output-dir", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    (result,) = json.loads((tmp_path / "bench_glm-5-debug.json").read_text())["results"]
+    split = result["capture_split_s"]
+    assert sorted(split) == ["indexer", "moe", "rest", "sparse_attention"]
+    assert all(split[k] > 0 for k in ("indexer", "moe", "sparse_attention"))
+    assert abs(sum(split.values()) - result["capture_s"]) < 1e-9
+    assert result["capture_tflops"] > 0
+    assert "| indexer top-k |" in (tmp_path / "bench_glm-5-debug.md").read_text()
+
+
+def test_glm_prompt_flops_terms():
+    """Indexer scores grow with the square of the prompt; sparse MLA linearly once the prompt
+    passes index_topk; routed experts count as num_experts_per_tok experts per token."""
+    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.longstraw.cost_model import active_linear_weight_elements, glm_prompt_flops
+    from megatron_longstraw.testing.parity import seeded_model
+
+    hf = resolve_hf_config("glm-5-debug")
+    init_distributed(ParallelSizes(), seed=1)
+    try:
+        model = seeded_model(hf)
+        every = sum(p.numel() for n, p in model.named_parameters() if n.startswith("decoder.") and p.dim() == 2)
+        # expert 0 of every MoE layer: each layer's routed experts count as num_experts_per_tok of them
+        expert_0 = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts.local_experts.0." in n)
+        active = active_linear_weight_elements(model, hf["num_experts_per_tok"])
+        assert expert_0 > 0
+        assert active == every - expert_0 * (hf["n_routed_experts"] - hf["num_experts_per_tok"])
+    finally:
+        destroy_distributed()
+    heads, d, full = hf["index_n_heads"], hf["index_head_dim"], hf["indexer_types"].count("full")
+    f = lambda p: glm_prompt_flops(hf, 0, p) - 2 * hf["hidden_size"] * hf["vocab_size"]  # noqa: E731
+    mla = hf["num_hidden_layers"] * hf["num_attention_heads"] * 2 * (2 * hf["kv_lora_rank"] + hf["qk_rope_head_dim"])
+    k = hf["index_topk"]
+    assert f(1) == full * 2 * heads * d + mla
+    assert f(100) == full * 2 * heads * d * 100 * 101 / 2 + mla * (k * 100 - k * (k - 1) / 2)

@@ -39,10 +39,12 @@ def _unchunked_topk(q_SBHD, weights_SBH, prefix_P1D, own_SBD, k, use_relu):
 @pytest.mark.parametrize("key_block,score_elements", [(8, 1 << 30), (7, 1 << 30), (1, 4 * HEADS * 5), (5, 4 * HEADS * 5),
                                                        (4096, 1 << 27)])
 @pytest.mark.parametrize("use_relu,ties", [(True, False), (False, False), (True, True), (False, True)])
-def test_blockwise_topk_equals_unchunked(monkeypatch, key_block, score_elements, use_relu, ties):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_blockwise_topk_equals_unchunked(monkeypatch, key_block, score_elements, use_relu, ties, dtype):
     """Key blocks that divide the 40-token prefix (8) and do not (7, 5, 1), query blocks of 5
     rows, ReLU scoring (many exact zeros) and duplicated keys (exact ties): identical indices,
-    in the same order; a top-k wider than the visible keys pads with -1 like the reference.
+    in the same order; a top-k wider than the visible keys pads with -1 like the reference. fp32
+    scores take the packed-int64 selection, fp64 the stable-sort one.
     (Gaussian scores from GEMMs of other shapes may differ in the last bit; the tie cases use
     integer inputs, whose scores are exact, so a tie is a tie in both.)"""
     patches.apply_patches()
@@ -50,7 +52,7 @@ def test_blockwise_topk_equals_unchunked(monkeypatch, key_block, score_elements,
     monkeypatch.setattr(dsa_blockwise, "SCORE_ELEMENTS", score_elements)
     decided = False
     for prefix, seq, batch, k, seed in ((40, 13, 2, 6, 0), (40, 13, 1, 60, 1), (0, 9, 2, 4, 2), (33, 1, 3, 8, 3)):
-        inputs = _indexer_inputs(prefix, seq, batch, seed, ties)
+        inputs = [t.to(dtype) for t in _indexer_inputs(prefix, seq, batch, seed, ties)]
         want = _unchunked_topk(*inputs, k, use_relu)
         q, w, prefix_P1D, own = inputs
         got = index_topk_blockwise(q, w, [(prefix_P1D, 0), (own, prefix)], prefix, k, use_relu)
@@ -159,3 +161,44 @@ def test_glm_capture_and_replay_run_in_bounded_blocks(single_process, monkeypatc
     assert max(captured) == chunk and sum(captured) == 45 * len(moe_layers)
     assert score_sizes and max(score_sizes) <= 3 * 5  # [b=1, query block of 3, key block of 5]
     assert (replayed - full).abs().max().item() <= 1e-5
+
+
+_INTERPRETED_KERNEL = """
+import torch
+from megatron_longstraw import patches
+from megatron_longstraw.attention.index_scores_triton import index_scores
+from megatron_longstraw.patches.dsa_causal_topk import dsa
+
+patches.apply_patches()
+gen = torch.Generator().manual_seed(0)
+for seq, batch, key_batch, keys, query_start, key_start, relu in (
+        (70, 1, 1, 130, 200, 100, True), (5, 2, 1, 9, 3, 0, False), (3, 2, 2, 70, 70, 7, True)):
+    q = torch.randn(seq, batch, 4, 16, generator=gen).half()
+    w = torch.randn(seq, batch, 4, generator=gen).half()
+    k = torch.randn(keys, key_batch, 16, generator=gen).half()
+    got = index_scores(q, w, k, query_start, key_start, relu)
+    want = dsa._compute_index_scores(q, w, k.expand(keys, batch, 16), use_relu=relu)
+    future = torch.arange(key_start, key_start + keys)[None, :] > torch.arange(query_start, query_start + seq)[:, None]
+    want = want.masked_fill(future, float("-inf"))
+    assert torch.equal(got.isinf(), want.isinf()) and future.any() and (~future).any()
+    finite = ~want.isinf()
+    error = ((got - want)[finite].abs().max() / want[finite].abs().max()).item()
+    assert error <= 1e-5, error
+print("ok")
+"""
+
+
+def test_fused_index_score_kernel_in_triton_interpreter():
+    """The Triton index-score kernel, run by Triton's CPU interpreter, against Megatron's
+    ``_compute_index_scores`` on the same fp16 inputs (exact products, fp32 sums in another
+    order: 1e-5), with the causal mask at arbitrary query/key offsets and a shared key batch.
+    (The interpreter reads bf16 as raw bits; bf16 runs in the GPU tier.)"""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    result = subprocess.run([sys.executable, "-c", _INTERPRETED_KERNEL], env=env, cwd=root, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]

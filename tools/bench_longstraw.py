@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
 from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter  # noqa: E402
 from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
-from megatron_longstraw.longstraw.cost_model import linear_weight_elements, memory_floor_bytes, qwen_prompt_flops  # noqa: E402
+from megatron_longstraw.longstraw.cost_model import memory_floor_bytes, prompt_flops  # noqa: E402
 from megatron_longstraw.longstraw.full_graph import full_graph_responses  # noqa: E402
 from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
 from megatron_longstraw.models.builder import build_model  # noqa: E402
@@ -84,6 +84,53 @@ def _reset_peak():
         torch.cuda.reset_peak_memory_stats()
 
 
+@contextlib.contextmanager
+def capture_split(model, hf, times: dict):
+    """GLM-5: seconds spent in the DSA indexer top-k, the sparse MLA attention and the MoE layers
+    (each timed between CUDA synchronizations, so the split costs a few syncs per layer and
+    chunk) accumulate into ``times``; other families time nothing."""
+    if hf["model_type"] != "glm_moe_dsa":
+        yield
+        return
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_longstraw.models import glm5_layers
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            _sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync()
+            times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return wrapper
+
+    originals = {n: getattr(glm5_layers, n) for n in ("index_topk_blockwise", "sparse_latent_attention")}
+    starts, hooks = {}, []
+
+    def before_moe(module, args):
+        _sync()
+        starts[module] = time.perf_counter()
+
+    def after_moe(module, args, output):
+        _sync()
+        times["moe"] = times.get("moe", 0.0) + time.perf_counter() - starts[module]
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            hooks += [module.register_forward_pre_hook(before_moe), module.register_forward_hook(after_moe)]
+    try:
+        glm5_layers.index_topk_blockwise = timed("indexer", originals["index_topk_blockwise"])
+        glm5_layers.sparse_latent_attention = timed("sparse_attention", originals["sparse_latent_attention"])
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(glm5_layers, name, fn)
+        for hook in hooks:
+            hook.remove()
+
+
 def _optimizer(model):
     """AdamW with its states allocated up front, so they count in every peak."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=torch.cuda.is_available())
@@ -111,13 +158,18 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
     start = time.perf_counter()
     try:
         if mode == "longstraw":
-            state = capture_prompt(model, prompt, args.prompt_chunk_size)
+            split = {}
+            with capture_split(model, hf, split):
+                state = capture_prompt(model, prompt, args.prompt_chunk_size)
             _sync()
             result["capture_s"] = time.perf_counter() - start
+            if split:
+                split["rest"] = result["capture_s"] - sum(split.values())
+                result["capture_split_s"] = split
             result["capture_peak_gib"] = _peak_gib()
             result["state_gib"] = state.nbytes() / GiB
-            if hf["model_type"].startswith("qwen3_5"):  # FLOPs formula exists for this family
-                flops = qwen_prompt_flops(hf, linear_weight_elements(model), prompt_length)
+            flops = prompt_flops(hf, model, prompt_length)
+            if flops is not None:
                 result["capture_tflops"] = flops / result["capture_s"] / 1e12
                 result["capture_mfu"] = result["capture_tflops"] / PEAK_TFLOPS
             replay_times = []
@@ -190,6 +242,13 @@ def write_outputs(results, args, command, quiet=False):
                  _cell(r["step_s"], ".1f"), _cell(r.get("state_gib"), ".2f"), _cell(r.get("activation_gib"), ".2f"),
                  _cell(r["peak_gib"], ".2f"), _cell(r.get("floor_gib"), ".2f"), _cell(r.get("peak_over_floor"), ".3f")]
         lines.append(f"| {r['mode']} | {r['prompt_length']} | {r['group']} | " + " | ".join(cells) + " |")
+    splits = [r for r in results if r.get("capture_split_s")]
+    if splits:
+        lines += ["", "Capture time split (s; each part timed between CUDA synchronizations):", "",
+                  "| prompt | G | indexer top-k | sparse MLA | MoE | rest |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['prompt_length']} | {r['group']} | " + " | ".join(
+            f"{r['capture_split_s'].get(k, 0.0):.2f}" for k in ("indexer", "sparse_attention", "moe", "rest")) + " |"
+            for r in splits]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     _plot(results, out / f"{stem}.png", command)
     if not quiet:

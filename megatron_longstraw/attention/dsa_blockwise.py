@@ -5,12 +5,13 @@ Megatron's DSA reference (``fused_qk_topk_naive``, ``_unfused_absorbed_dsa_fn``)
 attention scores: at 128K tokens that is tens of GB per layer. Here the same math runs in blocks:
 
 - ``index_topk_blockwise`` (no autograd): index scores of a block of queries against a block of
-  keys (Megatron's ``_compute_index_scores``: fp32 ``q . k``, ReLU if asked, head-weighted sum),
-  causally masked, reduced to the block's top-k and merged into a running top-k per query. Key
-  blocks come in ascending position order and every ranking is a stable sort by score, so the
-  order is (score descending, position ascending), the selection of
-  ``patches/dsa_causal_topk``, whatever the block sizes; blocks wholly after a query block are
-  skipped. Transient memory is one block's ``[query block, heads, key block]`` scores.
+  keys (Megatron's ``_compute_index_scores``: fp32 ``q . k``, ReLU if asked, head-weighted sum;
+  on CUDA in bf16 the fused Triton kernel of ``index_scores_triton``), causally masked, merged
+  into a running top-k per query. The order is (score descending, position ascending), the
+  selection of ``patches/dsa_causal_topk``, whatever the block sizes: fp32 scores travel packed
+  with their positions in one int64 whose ``torch.topk`` is exact and tie-free; fp64 scores (the
+  fp64 tests) are ranked by stable sorts over key blocks taken in ascending position order.
+  Blocks wholly after a query block are skipped. Transient memory is one block's scores.
 - ``sparse_latent_attention`` (autograd): each query attends to its selected keys only, gathered
   from the latent pages ``[c_kv; k_rope]`` (the key; its first ``v_channels`` are the value), in
   blocks of queries. With autograd each block is recomputed in backward
@@ -30,8 +31,9 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_longstraw.patches.dsa_causal_topk import causal_topk, dsa
 
-KEY_BLOCK = 4096            # keys scored at a time
-SCORE_ELEMENTS = 1 << 27    # fp32 elements of one block's [query block, heads, key block] scores
+KEY_BLOCK = 16384           # keys scored at a time
+SCORE_ELEMENTS = 1 << 27    # fp32 elements of one block's scores ([query block, heads, key block]
+                            # in torch, [query block, key block] in the fused kernel)
 GATHER_ELEMENTS = 1 << 27   # elements of one query block's gathered keys plus attention scores
 
 
@@ -51,40 +53,105 @@ def _merge(best, block, width: int):
     return values, torch.cat([best[1], block[1]], dim=-1).gather(-1, order)
 
 
+_LOW = (1 << 32) - 1  # a packed candidate's low 32 bits hold _LOW - position
+
+
+def _pack(scores_BQT: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+    """fp32 score and position in one int64 that orders like (score descending, position
+    ascending): the score's bits in an order-preserving integer form (``-0.0`` as ``+0.0``, as
+    ``torch.topk`` counts them) above the reversed position. ``topk`` on it has no ties."""
+    bits = (scores_BQT + 0.0).view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    return (ordered << 32) | (_LOW - positions_T)
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Positions of packed candidates, ``-1`` where the score is ``-inf`` (not visible)."""
+    bits = (packed >> 32).to(torch.int32)
+    scores = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).view(torch.float32)
+    return (_LOW - (packed & _LOW)).masked_fill(scores == float("-inf"), -1)
+
+
+class _RunningTopk:
+    """Top ``width`` candidates of a query block over the key blocks seen so far (in ascending
+    position order). fp32 scores travel packed (``_pack``: one exact ``torch.topk``); wider
+    scores (fp64 tests) as (values, positions) ranked by a stable sort."""
+
+    def __init__(self, width: int):
+        self.width, self.best = width, None
+
+    def add(self, scores_BQT: torch.Tensor, positions_T: torch.Tensor) -> None:
+        """Merge one key block's masked scores ``[b, q, t]`` at ``positions_T``."""
+        keep = min(self.width, scores_BQT.shape[-1])
+        if scores_BQT.dtype == torch.float32:
+            packed = _pack(scores_BQT, positions_T)
+            if self.best is not None:
+                packed = torch.cat([self.best, packed], dim=-1)
+            self.best = packed.topk(min(self.width, packed.shape[-1]), dim=-1).values
+            return
+        values, order = causal_topk(scores_BQT, keep)
+        block = (values, positions_T[order])
+        self.best = block if self.best is None else _merge(self.best, block, self.width)
+
+    def positions(self) -> torch.Tensor | None:
+        """``[b, q, n <= width]`` positions, best first, ``-1`` where nothing was visible."""
+        if self.best is None:
+            return None
+        if isinstance(self.best, tuple):
+            values, positions = self.best
+            return positions.masked_fill(values == float("-inf"), -1)
+        return _unpack(self.best)
+
+
+def _fused_scorer(q_SBHD, keys):
+    """The Triton index-score kernel when it takes these inputs (CUDA, bf16/fp16), else None."""
+    if not q_SBHD.is_cuda:
+        return None
+    from megatron_longstraw.attention import index_scores_triton
+
+    return index_scores_triton if index_scores_triton.supported(q_SBHD, keys) else None
+
+
 @torch.no_grad()
 def index_topk_blockwise(q_SBHD: torch.Tensor, weights_SBH: torch.Tensor, segments, query_start: int,
                          index_topk: int, use_relu: bool) -> torch.Tensor:
     """DSA top-k positions ``[b, s, min(index_topk, keys)]`` (``-1``: no visible key) of the
     indexer queries ``[s, b, heads, d]`` at positions ``query_start + i`` over the key
-    ``segments`` ``[(keys [t, 1 or b, d], first position), ...]``; sorted by score descending,
-    ties by position ascending, exactly like ``fused_qk_topk_causal`` on the concatenated keys."""
+    ``segments`` ``[(keys [t, 1 or b, d], first position), ...]`` (ascending positions); sorted
+    by score descending, ties by position ascending, exactly like ``fused_qk_topk_causal`` on the
+    concatenated keys. On CUDA with bf16/fp16 inputs the scores come from the fused Triton
+    kernel (``index_scores_triton``), elsewhere from Megatron's ``_compute_index_scores``."""
     seq, batch, heads = q_SBHD.shape[:3]
     total = sum(keys.shape[0] for keys, _ in segments)
     width = min(index_topk, total)
     device = q_SBHD.device
+    assert all(a[1] + a[0].shape[0] <= b[1] for a, b in zip(segments, segments[1:])), "segments out of order"
+    fused = _fused_scorer(q_SBHD, segments[0][0])
     key_block = max(1, KEY_BLOCK)
-    query_block = max(1, SCORE_ELEMENTS // (batch * heads * key_block))
+    query_block = max(1, SCORE_ELEMENTS // (batch * (1 if fused else heads) * key_block))
     out = torch.full((batch, seq, width), -1, dtype=torch.int64, device=device)
     if width == 0:
         return out
     for q0 in range(0, seq, query_block):
         q1 = min(seq, q0 + query_block)
         query_pos = torch.arange(query_start + q0, query_start + q1, device=device)
-        best = None
+        running = _RunningTopk(width)
         for keys_TBD, first in segments:
             for k0 in range(0, keys_TBD.shape[0], key_block):
                 if first + k0 > query_start + q1 - 1:  # every key of the block is in the future
                     break
                 k1 = min(keys_TBD.shape[0], k0 + key_block)
                 key_pos = torch.arange(first + k0, first + k1, device=device)
-                scores = _block_scores(q_SBHD[q0:q1], weights_SBH[q0:q1], keys_TBD[k0:k1], use_relu)
-                scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
-                values, order = causal_topk(scores, min(width, k1 - k0))
-                block = (values, key_pos[order])
-                best = block if best is None else _merge(best, block, width)
-        if best is None:
-            continue
-        out[:, q0:q1, :best[1].shape[-1]] = best[1].masked_fill(best[0] == float("-inf"), -1)
+                if fused:
+                    scores = fused.index_scores(q_SBHD[q0:q1], weights_SBH[q0:q1], keys_TBD[k0:k1],
+                                                query_start + q0, first + k0, use_relu)
+                else:
+                    scores = _block_scores(q_SBHD[q0:q1], weights_SBH[q0:q1], keys_TBD[k0:k1], use_relu)
+                    scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+                running.add(scores, key_pos)
+        positions = running.positions()
+        if positions is not None:
+            out[:, q0:q1, :positions.shape[-1]] = positions
     return out
 
 
