@@ -4,6 +4,8 @@ per-parameter gradients after replay (fp64), the latents and indexer keys per ra
 rows are CP=1's rows at its positions), uneven shards included; decoding under CP is refused.
 One spawn runs every case."""
 
+import os
+
 import pytest
 import torch
 
@@ -100,8 +102,25 @@ class _NoCPModel(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def runs():
+    """CP=1 and CP=2, both with DSA blocks of 5 keys and a few queries per gathered block, so the
+    blockwise top-k and the gathered attention cross block and shard boundaries."""
     hf = resolve_hf_config(PRESET)
-    return on_one_rank(_run_cases, hf), run_multiprocess(_cp_worker, 2, hf)
+    small = {"LONGSTRAW_DSA_KEY_BLOCK": "5", "LONGSTRAW_DSA_SCORE_ELEMENTS": "200",
+             "LONGSTRAW_DSA_GATHER_ELEMENTS": "2000"}
+    from megatron_longstraw.attention import dsa_blockwise
+
+    saved = {k: os.environ.get(k) for k in small}
+    constants = {name: getattr(dsa_blockwise, name) for name in ("KEY_BLOCK", "SCORE_ELEMENTS", "GATHER_ELEMENTS")}
+    os.environ.update(small)  # the spawned CP ranks read them at import
+    for name in constants:  # this process (the CP=1 run) has imported the module already
+        setattr(dsa_blockwise, name, int(small[f"LONGSTRAW_DSA_{name}"]))
+    try:
+        return on_one_rank(_run_cases, hf), run_multiprocess(_cp_worker, 2, hf)
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+        for name, value in constants.items():
+            setattr(dsa_blockwise, name, value)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"P{p}-chunk{c}" for p, c in CASES])

@@ -25,16 +25,20 @@ positions starting at ``query_start``. A query sees every key at or before its p
 """
 
 import functools
+import os
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_longstraw.patches.dsa_causal_topk import causal_topk, dsa
 
-KEY_BLOCK = 16384           # keys scored at a time
-SCORE_ELEMENTS = 1 << 27    # fp32 elements of one block's scores ([query block, heads, key block]
-                            # in torch, [query block, key block] in the fused kernel)
-GATHER_ELEMENTS = 1 << 27   # elements of one query block's gathered keys plus attention scores
+# block sizes (the environment overrides them, e.g. for tests that run in spawned processes)
+KEY_BLOCK = int(os.environ.get("LONGSTRAW_DSA_KEY_BLOCK", 16384))  # keys scored at a time
+# fp32 elements of one block's scores ([query block, heads, key block] in torch, [query block,
+# key block] in the fused kernel)
+SCORE_ELEMENTS = int(os.environ.get("LONGSTRAW_DSA_SCORE_ELEMENTS", 1 << 27))
+# elements of one query block's gathered keys plus attention scores
+GATHER_ELEMENTS = int(os.environ.get("LONGSTRAW_DSA_GATHER_ELEMENTS", 1 << 27))
 
 
 def _block_scores(q_QBHD, weights_QBH, keys_TBD, use_relu):
@@ -112,26 +116,35 @@ def _fused_scorer(q_SBHD, keys):
     return index_scores_triton if index_scores_triton.supported(q_SBHD, keys) else None
 
 
+def _pad_candidates(candidates, width: int):
+    """Pad ``[b, s, n]`` candidates to ``width`` with invisible (``-inf``) entries."""
+    if isinstance(candidates, tuple):
+        values, positions = candidates
+        pad = width - values.shape[-1]
+        if pad <= 0:
+            return candidates
+        return (torch.cat([values, values.new_full((*values.shape[:-1], pad), float("-inf"))], -1),
+                torch.cat([positions, positions.new_full((*positions.shape[:-1], pad), -1)], -1))
+    pad = width - candidates.shape[-1]
+    if pad <= 0:
+        return candidates
+    filler = _pack(torch.full((1,), float("-inf"), device=candidates.device), torch.full((1,), _LOW, device=candidates.device))
+    return torch.cat([candidates, filler.expand(*candidates.shape[:-1], pad)], -1)
+
+
 @torch.no_grad()
-def index_topk_blockwise(q_SBHD: torch.Tensor, weights_SBH: torch.Tensor, segments, query_start: int,
-                         index_topk: int, use_relu: bool) -> torch.Tensor:
-    """DSA top-k positions ``[b, s, min(index_topk, keys)]`` (``-1``: no visible key) of the
-    indexer queries ``[s, b, heads, d]`` at positions ``query_start + i`` over the key
-    ``segments`` ``[(keys [t, 1 or b, d], first position), ...]`` (ascending positions); sorted
-    by score descending, ties by position ascending, exactly like ``fused_qk_topk_causal`` on the
-    concatenated keys. On CUDA with bf16/fp16 inputs the scores come from the fused Triton
-    kernel (``index_scores_triton``), elsewhere from Megatron's ``_compute_index_scores``."""
+def topk_candidates(q_SBHD: torch.Tensor, weights_SBH: torch.Tensor, segments, query_start: int, width: int,
+                    use_relu: bool, score_dtype=torch.float32):
+    """The best ``width`` keys of every query over the ``segments``, as candidates ``[b, s, width]``
+    that ``merge_candidates`` can combine with other candidate sets (other CP ranks' keys):
+    packed int64 for fp32 scores, ``(values, positions)`` for fp64; see ``index_topk_blockwise``."""
     seq, batch, heads = q_SBHD.shape[:3]
-    total = sum(keys.shape[0] for keys, _ in segments)
-    width = min(index_topk, total)
     device = q_SBHD.device
     assert all(a[1] + a[0].shape[0] <= b[1] for a, b in zip(segments, segments[1:])), "segments out of order"
-    fused = _fused_scorer(q_SBHD, segments[0][0])
+    fused = _fused_scorer(q_SBHD, segments[0][0]) if segments else None
     key_block = max(1, KEY_BLOCK)
     query_block = max(1, SCORE_ELEMENTS // (batch * (1 if fused else heads) * key_block))
-    out = torch.full((batch, seq, width), -1, dtype=torch.int64, device=device)
-    if width == 0:
-        return out
+    parts = []
     for q0 in range(0, seq, query_block):
         q1 = min(seq, q0 + query_block)
         query_pos = torch.arange(query_start + q0, query_start + q1, device=device)
@@ -149,10 +162,52 @@ def index_topk_blockwise(q_SBHD: torch.Tensor, weights_SBH: torch.Tensor, segmen
                     scores = _block_scores(q_SBHD[q0:q1], weights_SBH[q0:q1], keys_TBD[k0:k1], use_relu)
                     scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
                 running.add(scores, key_pos)
-        positions = running.positions()
-        if positions is not None:
-            out[:, q0:q1, :positions.shape[-1]] = positions
-    return out
+        if running.best is None:  # nothing visible yet: an empty candidate list of the right kind
+            empty = torch.full((batch, q1 - q0, 1), float("-inf"), dtype=score_dtype, device=device)
+            running.add(empty, torch.full((1,), _LOW, dtype=torch.int64, device=device))
+        parts.append(_pad_candidates(running.best, width))
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(2))
+    return torch.cat(parts, dim=1)
+
+
+def merge_candidates(candidate_sets, width: int):
+    """The best ``width`` of several candidate sets of the same queries (any positions), ordered
+    (score descending, position ascending)."""
+    if not isinstance(candidate_sets[0], tuple):
+        packed = torch.cat(candidate_sets, dim=-1)
+        return packed.topk(min(width, packed.shape[-1]), dim=-1).values
+    values = torch.cat([c[0] for c in candidate_sets], dim=-1)
+    positions = torch.cat([c[1] for c in candidate_sets], dim=-1)
+    order = positions.masked_fill(positions < 0, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
+    values, positions = values.gather(-1, order), positions.gather(-1, order)
+    values, best = causal_topk(values, min(width, values.shape[-1]))
+    return values, positions.gather(-1, best)
+
+
+def candidate_positions(candidates) -> torch.Tensor:
+    """Positions ``[b, s, n]`` of candidates, ``-1`` where nothing was visible."""
+    if isinstance(candidates, tuple):
+        values, positions = candidates
+        return positions.masked_fill(values == float("-inf"), -1)
+    return _unpack(candidates)
+
+
+@torch.no_grad()
+def index_topk_blockwise(q_SBHD: torch.Tensor, weights_SBH: torch.Tensor, segments, query_start: int,
+                         index_topk: int, use_relu: bool) -> torch.Tensor:
+    """DSA top-k positions ``[b, s, min(index_topk, keys)]`` (``-1``: no visible key) of the
+    indexer queries ``[s, b, heads, d]`` at positions ``query_start + i`` over the key
+    ``segments`` ``[(keys [t, 1 or b, d], first position), ...]`` (ascending positions); sorted
+    by score descending, ties by position ascending, exactly like ``fused_qk_topk_causal`` on the
+    concatenated keys. On CUDA with bf16/fp16 inputs the scores come from the fused Triton
+    kernel (``index_scores_triton``), elsewhere from Megatron's ``_compute_index_scores``."""
+    seq, batch = q_SBHD.shape[:2]
+    width = min(index_topk, sum(keys.shape[0] for keys, _ in segments))
+    if width == 0:
+        return torch.full((batch, seq, 0), -1, dtype=torch.int64, device=q_SBHD.device)
+    dtype = torch.promote_types(torch.promote_types(q_SBHD.dtype, segments[0][0].dtype), torch.float32)
+    return candidate_positions(topk_candidates(q_SBHD, weights_SBH, segments, query_start, width, use_relu, dtype))
 
 
 def _gather_keys(segments, index_BQK: torch.Tensor) -> torch.Tensor:
@@ -207,3 +262,47 @@ def sparse_latent_attention(query_SBNW: torch.Tensor, segments, topk_BSK: torch.
         args = (query_SBNW[q0:q0 + rows], topk_BSK[:, q0:q0 + rows], *pages)
         outs.append(checkpoint(block, *args, use_reentrant=False) if grad else block(*args))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+_MASKED = -1e30  # finite: a row with no selected key in a part keeps finite gradients (weight 0)
+
+
+def _partial_block(scale, v_channels, query_QBNW, topk_BQK, pages_TBW, positions_T):
+    """``(out [q, b, n, v], lse [q, b, n])`` of a query block over its selected keys among
+    ``pages`` (at ascending ``positions_T``); picks elsewhere are masked."""
+    compute = torch.promote_types(query_QBNW.dtype, torch.float32)
+    batch, rows, picks = topk_BQK.shape
+    index = torch.searchsorted(positions_T, topk_BQK.clamp_min(0)).clamp_max(positions_T.numel() - 1)
+    here = (positions_T[index] == topk_BQK) & (topk_BQK >= 0)
+    keys_BQKW = _gather_keys([(pages_TBW, 0)], index).to(compute)
+    scores_BQNK = torch.einsum("qbnw,bqkw->bqnk", query_QBNW.to(compute), keys_BQKW) * scale
+    scores_BQNK = scores_BQNK.masked_fill(~here[:, :, None, :], _MASKED)
+    lse_BQN = scores_BQNK.logsumexp(-1)
+    out = torch.einsum("bqnk,bqkc->qbnc", (scores_BQNK - lse_BQN[..., None]).exp(), keys_BQKW[..., :v_channels])
+    return out, lse_BQN.permute(1, 0, 2)
+
+
+def sparse_latent_partial(query_SBNW: torch.Tensor, pages_TBW: torch.Tensor, positions_T: torch.Tensor,
+                          topk_BSK: torch.Tensor, scale: float, v_channels: int):
+    """One part of a sparse attention split over key sets (CP ranks; a replicated response):
+    ``(out [s, b, n, v], lse [s, b, n])`` in fp32 (fp64 for fp64) over the selected keys found in
+    ``pages`` ``[t, 1 or b, w]`` at ascending global ``positions_T``; a row with none of its picks
+    here gets ``lse`` near ``-1e30`` (weight 0 when parts merge). In query blocks, recomputed in
+    backward like ``sparse_latent_attention``."""
+    seq, batch, heads, width = query_SBNW.shape
+    compute = torch.promote_types(query_SBNW.dtype, torch.float32)
+    if pages_TBW.shape[0] == 0:
+        # still a function of the queries: every CP rank must take part in the backward all-reduce
+        out = query_SBNW.new_zeros(seq, batch, heads, v_channels, dtype=compute) + 0 * query_SBNW[..., :1]
+        return out, torch.full((seq, batch, heads), _MASKED, dtype=compute, device=query_SBNW.device)
+    picks = topk_BSK.shape[-1]
+    rows = max(1, GATHER_ELEMENTS // max(1, batch * picks * (width + heads)))
+    block = functools.partial(_partial_block, scale, v_channels)
+    grad = torch.is_grad_enabled() and (query_SBNW.requires_grad or pages_TBW.requires_grad)
+    outs, lses = [], []
+    for q0 in range(0, seq, rows):
+        args = (query_SBNW[q0:q0 + rows], topk_BSK[:, q0:q0 + rows], pages_TBW, positions_T)
+        out, lse = checkpoint(block, *args, use_reentrant=False) if grad else block(*args)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
