@@ -6,6 +6,7 @@ from megatron.core import parallel_state
 from megatron_longstraw.distributed import ParallelSizes, device, init_distributed
 from megatron_longstraw.models.builder import build_model, load_full_state_dict, shard_for_rank
 from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.models.registry import family_for
 from megatron_longstraw.testing.hf_reference import build_hf_model
 
@@ -21,6 +22,15 @@ def megatron_from_hf(hf: dict, hf_model, options: ModelOptions = ModelOptions())
 def seeded_model(hf: dict, dtype=torch.float32, seed: int = 0):
     """``megatron_from_hf`` of the HF reference model built from ``seed``, in ``dtype``."""
     return megatron_from_hf(hf, build_hf_model(hf, seed=seed).to(dtype), ModelOptions(params_dtype=dtype))
+
+
+def bf16_and_fp32_models(preset: str, device: str = "cuda"):
+    """``(hf, bf16 model, fp32 model)`` with the same (bf16-rounded) weights of the HF reference
+    built from seed 0, on ``device``: a bf16 run and its fp32 truth."""
+    hf = resolve_hf_config(preset)
+    hf_model = build_hf_model(hf, seed=0).to(device, torch.bfloat16)
+    model = megatron_from_hf(hf, hf_model, ModelOptions(params_dtype=torch.bfloat16))
+    return hf, model, megatron_from_hf(hf, hf_model.float(), ModelOptions(params_dtype=torch.float32))
 
 
 def random_tokens(hf: dict, n: int, seed: int) -> torch.Tensor:

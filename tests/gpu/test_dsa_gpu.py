@@ -10,11 +10,8 @@ from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise
 from megatron_longstraw.attention.index_scores_triton import index_scores, supported
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.replay import replay_logits
-from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.patches.dsa_causal_topk import dsa
-from megatron_longstraw.testing.hf_reference import build_hf_model
-from megatron_longstraw.testing.parity import forward_logits, megatron_from_hf
+from megatron_longstraw.testing.parity import bf16_and_fp32_models, forward_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -60,10 +57,7 @@ def test_glm_capture_replay_bf16_matches_full_forward(single_process, monkeypatc
     replay logits after a chunked capture against the bf16 full forward (Megatron's dense DSA),
     both against the fp32 full forward."""
     monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", 64)
-    hf = resolve_hf_config("glm-5-debug")
-    hf_model = build_hf_model(hf, seed=0).to("cuda", torch.bfloat16)
-    model = megatron_from_hf(hf, hf_model, ModelOptions(params_dtype=torch.bfloat16))
-    model32 = megatron_from_hf(hf, hf_model.float(), ModelOptions(params_dtype=torch.float32))
+    hf, model, model32 = bf16_and_fp32_models("glm-5-debug")
     gen = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(0, hf["vocab_size"], (1, 700), device="cuda", generator=gen)
     response = torch.randint(0, hf["vocab_size"], (1, 90), device="cuda", generator=gen)

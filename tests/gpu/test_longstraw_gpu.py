@@ -8,11 +8,8 @@ from megatron_longstraw.attention.prefix_attention_cuda import prefix_causal_att
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_responses
 from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
-from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.patches import cpu_gated_delta_kernels as torch_gdn_kernels
-from megatron_longstraw.testing.hf_reference import build_hf_model
-from megatron_longstraw.testing.parity import forward_logits, megatron_from_hf
+from megatron_longstraw.testing.parity import bf16_and_fp32_models, forward_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -98,10 +95,7 @@ def test_capture_replay_bf16_matches_full_graph(single_process, record_property)
     the full graph, each against the fp32 full graph of the same (bf16-rounded) weights computed
     with the pure-torch GDN kernels (independent of fla). Replay must be as close to that truth
     as the bf16 full graph is (per parameter, with a margin)."""
-    hf = resolve_hf_config("qwen3.5-debug")
-    hf_model = build_hf_model(hf, seed=0).to("cuda", torch.bfloat16)
-    model = megatron_from_hf(hf, hf_model, ModelOptions(params_dtype=torch.bfloat16))
-    model32 = megatron_from_hf(hf, hf_model.float(), ModelOptions(params_dtype=torch.float32))
+    hf, model, model32 = bf16_and_fp32_models("qwen3.5-debug")
     gen = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(0, hf["vocab_size"], (1, 1000), device="cuda", generator=gen)
     responses = [torch.randint(0, hf["vocab_size"], (n,), device="cuda", generator=gen) for n in (200, 131)]
