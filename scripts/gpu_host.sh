@@ -8,6 +8,7 @@
 #   later calls (nothing carried):
 #       bash scripts/gpu_host.sh bench [tools/bench_longstraw.py args ...]
 #       bash scripts/gpu_host.sh bench-with-tests [bench args ...]
+#       bash scripts/gpu_host.sh bench-cp N [bench args ...]   (N GPUs, context parallel size N)
 #       bash scripts/gpu_host.sh train [train_grpo.py args ...]
 #       bash scripts/gpu_host.sh train-sweep "COMMON ARGS" NAME "ARGS" [NAME "ARGS" ...]
 # On a host of several GPUs, verbs run side by side with CUDA_VISIBLE_DEVICES and OUT=$OUT/NAME
@@ -91,6 +92,11 @@ gpu_tests() {  # pytest args; junit XML and log into $out, then the table
 bench() {  # bench_longstraw.py args
   timeout "$limit" python3 tools/bench_longstraw.py --output-dir "$out/bench" "$@" 2>&1 | grep -v -i "warn\|deprecated"
 }
+bench_cp() {  # N, then bench_longstraw.py args: one rank per GPU, the prompt sharded over them
+  local n=$1; shift
+  timeout "$limit" python3 -m torch.distributed.run --nproc_per_node "$n" tools/bench_longstraw.py \
+    --context-parallel-size "$n" --output-dir "$out/bench" "$@" 2>&1 | grep -v -i "warn\|deprecated"
+}
 case "${1:-}" in
   keep-cache) keep_cache "${2:-}"; exit 0 ;;
 esac
@@ -99,6 +105,7 @@ case "${1:-}" in
   install-a) install .whl-a; echo "installed .whl-a into $site" ;;
   run) shift; prepare; gpu_tests "$@" ;;
   bench) shift; prepare; bench "$@" ;;
+  bench-cp) shift; prepare; bench_cp "$@" ;;
   bench-with-tests)
     shift; prepare
     gpu_tests >/dev/null 2>&1 &
@@ -139,6 +146,6 @@ case "${1:-}" in
     python3 tools/plot_metrics.py "$out/train/metrics.jsonl" --keys reward/mean,entropy/mean \
       --output "$out/train/learning_curve.png" --title "train_grpo.py $*" || true
     exit "$status" ;;
-  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | train [args] | train-sweep COMMON NAME ARGS ..." >&2
+  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | train [args] | train-sweep COMMON NAME ARGS ..." >&2
      exit 2 ;;
 esac

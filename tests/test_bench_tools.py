@@ -89,3 +89,38 @@ def test_glm_prompt_flops_terms():
     k = hf["index_topk"]
     assert f(1) == full * 2 * heads * d + mla
     assert f(100) == full * 2 * heads * d * 100 * 101 / 2 + mla * (k * 100 - k * (k - 1) / 2)
+
+
+def test_bench_tool_under_context_parallelism(tmp_path):
+    """Two gloo ranks (torchrun): the benchmark runs LongStraw with the prompt sharded (CP column
+    2, per-rank state of half the pages), and refuses the full-graph mode under CP."""
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            str(ROOT / "tools/bench_longstraw.py"), "--model", "qwen3.5-debug", "--context-parallel-size", "2",
+            "--response-length", "8", "--prompt-chunk-size", "32", "--warmup-prompt-length", "0",
+            "--output-dir", str(tmp_path)]
+    subprocess.run(base + ["--prompt-lengths", "128", "--group-sizes", "2", "--modes", "longstraw"],
+                   check=True, capture_output=True, timeout=300)
+    (result,) = json.loads((tmp_path / "bench_qwen3.5-debug.json").read_text())["results"]
+    assert result["context_parallel"] == 2 and len(result["replay_s"]) == 2
+    single = subprocess.run([sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "qwen3.5-debug",
+                             "--prompt-lengths", "128", "--group-sizes", "2", "--response-length", "8",
+                             "--modes", "longstraw", "--prompt-chunk-size", "32", "--warmup-prompt-length", "0",
+                             "--output-dir", str(tmp_path / "cp1")], check=True, capture_output=True, timeout=300)
+    assert single.returncode == 0
+    (cp1,) = json.loads((tmp_path / "cp1" / "bench_qwen3.5-debug.json").read_text())["results"]
+    # the attention pages halve; the replicated Gated DeltaNet state does not
+    assert cp1["state_gib"] / 2 < result["state_gib"] < cp1["state_gib"]
+    refused = subprocess.run(base + ["--prompt-lengths", "128", "--modes", "full"], capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0 and "--context-parallel-size 2: the full-graph mode" in refused.stderr
+
+
+def test_largest_prompt_fit_is_the_line_through_the_peaks():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_longstraw import largest_prompt_fits
+
+    rows = [dict(mode="longstraw", context_parallel=2, group=8, prompt_length=p, peak_gib=10 + p / 2**20,
+                 device_gib=140.0) for p in (2**19, 2**20)]
+    (fit,) = largest_prompt_fits(rows + [dict(rows[0], oom=True, prompt_length=2**23)])
+    assert abs(fit["fixed_gib"] - 10) < 1e-9 and abs(fit["per_1k_mib"] - 1.0) < 1e-9
+    assert fit["largest_prompt"] == 130 * 2**20

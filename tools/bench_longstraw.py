@@ -55,6 +55,9 @@ def parse_args(argv=None):
                         "(minutes on a fresh host) count in no measured point; 0 skips it")
     p.add_argument("--max-position-embeddings", type=int, default=None,
                    help="override the preset's position budget (RoPE extrapolation, as Megatron's flag)")
+    p.add_argument("--context-parallel-size", type=int, default=1,
+                   help="shard the prompt over this many ranks (launch with torchrun --nproc_per_node N); "
+                        "LongStraw mode only")
     p.add_argument("--output-dir", default="docs/bench")
     p.add_argument("--tag", default="", help="suffix for the output file names")
     args = p.parse_args(argv)
@@ -67,6 +70,9 @@ def parse_args(argv=None):
     bad = set(args.modes) - {"longstraw", "full"}
     if bad:
         raise ValueError(f"--modes: unknown mode(s) {sorted(bad)}; use longstraw and/or full")
+    if args.context_parallel_size > 1 and "full" in args.modes:
+        raise ValueError(f"--context-parallel-size {args.context_parallel_size}: the full-graph mode runs "
+                         "on one rank; use --modes longstraw")
     return args
 
 
@@ -77,6 +83,34 @@ def _sync():
 
 def _peak_gib():
     return torch.cuda.max_memory_allocated() / GiB if torch.cuda.is_available() else float("nan")
+
+
+def _cp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group() if parallel_state.get_context_parallel_world_size() > 1 else None
+
+
+def _reduce_grads(model):
+    """Average the gradients over the CP ranks, as Megatron's DDP does over DP x CP (each rank
+    already holds the full gradient after replay; the all-reduce is the cost being measured)."""
+    group = _cp_group()
+    if group is not None:
+        size = torch.distributed.get_world_size(group)
+        for p in model.parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad, group=group)
+                p.grad.div_(size)
+
+
+def _max_over_ranks(value: float) -> float:
+    """The largest ``value`` over the CP ranks (per-GPU peaks: the busiest GPU counts)."""
+    group = _cp_group()
+    if group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device())
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+    return tensor.item()
 
 
 def _reset_peak():
@@ -152,7 +186,8 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
     responses = [torch.randint(0, hf["vocab_size"], (args.response_length,), device=device(), generator=gen)
                  for _ in range(group)]
     loss_fn = _loss_fn(group * args.response_length)
-    result = dict(mode=mode, prompt_length=prompt_length, group=group, response_length=args.response_length)
+    result = dict(mode=mode, prompt_length=prompt_length, group=group, response_length=args.response_length,
+                  context_parallel=args.context_parallel_size)
     _sync()
     _reset_peak()
     start = time.perf_counter()
@@ -171,7 +206,7 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
             flops = prompt_flops(hf, model, prompt_length)
             if flops is not None:
                 result["capture_tflops"] = flops / result["capture_s"] / 1e12
-                result["capture_mfu"] = result["capture_tflops"] / PEAK_TFLOPS
+                result["capture_mfu"] = result["capture_tflops"] / (PEAK_TFLOPS * args.context_parallel_size)
             replay_times = []
             state_tensors = [t for layer in state.layers.values() for t in layer.tensors().values()]
             meter = SavedTensorMeter([*model.parameters(), *state_tensors, state.last_hidden_1BH])
@@ -193,11 +228,17 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
                 replay_times.append(time.perf_counter() - t0)
             result["per_sample_s"] = replay_times
         t0 = time.perf_counter()
+        _reduce_grads(model)  # what Megatron's DDP does over the DP x CP group before the step
         optimizer.step()
         _sync()
         result["optimizer_s"] = time.perf_counter() - t0
         result["step_s"] = time.perf_counter() - start
-        result["peak_gib"] = _peak_gib()
+        result["peak_gib"] = _max_over_ranks(_peak_gib())
+        if torch.cuda.is_available():
+            result["device_gib"] = torch.cuda.mem_get_info()[1] / GiB
+        for key in ("capture_peak_gib", "state_gib"):
+            if key in result:
+                result[key] = _max_over_ranks(result[key])
         if mode == "longstraw":
             n_params = sum(p.numel() for p in model.parameters())
             dtype_bytes = next(model.parameters()).element_size()
@@ -216,13 +257,35 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
     return result
 
 
+def largest_prompt_fits(results) -> list[dict]:
+    """Per (mode, CP, G) with peaks measured at two or more prompt lengths: the straight line
+    through the first and the last, and where it reaches the device's memory."""
+    groups = {}
+    for r in results:
+        if not r.get("oom") and r.get("device_gib") and r.get("peak_gib") == r.get("peak_gib"):
+            groups.setdefault((r["mode"], r.get("context_parallel", 1), r["group"]), []).append(r)
+    fits = []
+    for (mode, cp, group), rows in sorted(groups.items()):
+        rows = sorted(rows, key=lambda r: r["prompt_length"])
+        if rows[-1]["prompt_length"] == rows[0]["prompt_length"]:
+            continue
+        slope = (rows[-1]["peak_gib"] - rows[0]["peak_gib"]) / (rows[-1]["prompt_length"] - rows[0]["prompt_length"])
+        fixed = rows[0]["peak_gib"] - slope * rows[0]["prompt_length"]
+        if slope <= 0:
+            continue
+        fits.append(dict(mode=mode, cp=cp, group=group, fixed_gib=fixed, per_1k_mib=slope * 1024 * 1024,
+                         device_gib=rows[0]["device_gib"],
+                         largest_prompt=int((rows[0]["device_gib"] - fixed) / slope)))
+    return fits
+
+
 def _mean(values):
     return sum(values) / len(values) if values else None
 
 
 def _cell(value, spec):
     """A table cell: blank where a mode has no such figure (the full graph has no capture)."""
-    return "" if value is None else format(value, spec)
+    return "" if value is None or value != value else format(value, spec)
 
 
 def write_outputs(results, args, command, quiet=False):
@@ -231,17 +294,27 @@ def write_outputs(results, args, command, quiet=False):
     stem = f"bench_{args.model}{('_' + args.tag) if args.tag else ''}"
     (out / f"{stem}.json").write_text(json.dumps(dict(command=command, results=results), indent=1))
     lines = [f"# LongStraw benchmark: {args.model}", "", f"Command: `{command}`", "",
-             "| mode | prompt | G | capture s | capture MFU | replay s (mean) | per-sample s | step s | state GiB | act GiB | peak GiB | floor GiB | peak/floor |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| mode | CP | prompt | G | capture s | capture MFU | replay s (mean) | per-sample s | step s | state GiB | act GiB | peak GiB | floor GiB | peak/floor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if r.get("oom"):
-            lines.append(f"| {r['mode']} | {r['prompt_length']} | {r['group']} | OOM | | | | | | | >{r['peak_gib']:.1f} | | |")
+            lines.append(f"| {r['mode']} | {r.get('context_parallel', 1)} | {r['prompt_length']} | {r['group']} | OOM "
+                         f"| | | | | | | >{r['peak_gib']:.1f} | | |")
             continue
         cells = [_cell(r.get("capture_s"), ".1f"), _cell(r.get("capture_mfu"), ".1%"),
                  _cell(_mean(r.get("replay_s")), ".2f"), _cell(_mean(r.get("per_sample_s")), ".2f"),
                  _cell(r["step_s"], ".1f"), _cell(r.get("state_gib"), ".2f"), _cell(r.get("activation_gib"), ".2f"),
                  _cell(r["peak_gib"], ".2f"), _cell(r.get("floor_gib"), ".2f"), _cell(r.get("peak_over_floor"), ".3f")]
-        lines.append(f"| {r['mode']} | {r['prompt_length']} | {r['group']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['mode']} | {r.get('context_parallel', 1)} | {r['prompt_length']} | {r['group']} | "
+                     + " | ".join(cells) + " |")
+    fits = largest_prompt_fits(results)
+    if fits:
+        lines += ["", "Largest prompt per GPU memory, predicted from a straight line through the measured peaks",
+                  "(peak = fixed + per-token x prompt; the position budget is not counted):", "",
+                  "| mode | CP | G | fixed GiB | MiB per 1K prompt tokens | device GiB | largest prompt |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {f['mode']} | {f['cp']} | {f['group']} | {f['fixed_gib']:.2f} | {f['per_1k_mib']:.2f} "
+                  f"| {f['device_gib']:.1f} | {f['largest_prompt']:,} |" for f in fits]
     splits = [r for r in results if r.get("capture_split_s")]
     if splits:
         lines += ["", "Capture time split (s; each part timed between CUDA synchronizations):", "",
@@ -289,7 +362,8 @@ def _plot(results, path, command):
 def main(argv=None):
     args = parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
-    init_distributed(ParallelSizes(), seed=1234)
+    init_distributed(ParallelSizes(context=args.context_parallel_size), seed=1234)
+    rank0 = torch.distributed.get_rank() == 0
     hf = resolve_hf_config(args.model)
     if args.max_position_embeddings:
         hf["max_position_embeddings"] = args.max_position_embeddings
@@ -302,18 +376,20 @@ def main(argv=None):
             optimizer = _optimizer(model)
             if args.warmup_prompt_length:
                 warm = run_point(model, optimizer, hf, mode, args.warmup_prompt_length, 1, args)
-                print(json.dumps(dict(warmup=True, **warm)), flush=True)
+                if rank0:
+                    print(json.dumps(dict(warmup=True, **warm)), flush=True)
             for length in (args.prompt_lengths if mode == "longstraw" else args.full_prompt_lengths):
                 for group in (args.group_sizes if mode == "longstraw" else [1]):
                     result = run_point(model, optimizer, hf, mode, length, group, args)
-                    print(json.dumps(result), flush=True)
                     results.append(result)
-                    write_outputs(results, args, command, quiet=True)  # partial results survive a kill
+                    if rank0:
+                        print(json.dumps(result), flush=True)
+                        write_outputs(results, args, command, quiet=True)  # partial results survive a kill
             del model, optimizer
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     finally:
         destroy_distributed()
-    if results:
+    if results and rank0:
         write_outputs(results, args, command)
 
 
