@@ -258,23 +258,26 @@ def test_bad_input_is_refused(single_process):
 
 
 def test_tp2_rollouts_match_tp1(single_process):
-    """Qwen3.5, vocabulary-sharded logits gathered for sampling: TP=2 greedy and sampled tokens equal
-    TP=1's, logits within 1e-5, on both ranks. GLM-5 needs sequence parallelism under TP, which
-    decoding refuses (checked here on a sequence-parallel Qwen3.5 model)."""
+    """Vocabulary-sharded logits gathered for sampling: TP=2 greedy and sampled tokens equal TP=1's,
+    logits within 1e-5, on both ranks; Qwen3.5 without and with sequence parallelism, GLM-5 with it
+    (Megatron's MLA needs it under TP). Under sequence parallelism a decode step's one token per
+    sample is padded to TP rows, and the layers keep state of the real row only."""
     hf = resolve_hf_config("qwen3.5-debug")
     prompt = _prompt(hf)
     temperatures = (0.0, 1.0)
-    model = sharded_output_model("qwen3.5-debug")
-    reference = {t: rollouts(model, prompt, CHUNK, SAMPLES, NEW, t, seed=9) for t in temperatures}
-    results = run_multiprocess(tp_rollout_worker, 2, "qwen3.5-debug", 2, prompt, CHUNK, SAMPLES, NEW,
-                               temperatures, 9)
+    models = (("qwen3.5-debug", False), ("qwen3.5-debug", True), ("glm-5-debug", True))
+    reference = {}
+    for preset in {preset for preset, _ in models}:
+        model = sharded_output_model(preset)
+        reference[preset] = {t: rollouts(model, prompt, CHUNK, SAMPLES, NEW, t, seed=9) for t in temperatures}
+    results = run_multiprocess(tp_rollout_worker, 2, models, 2, prompt, CHUNK, SAMPLES, NEW, temperatures, 9)
     for rank, result in enumerate(results):
-        for t in temperatures:
-            (want_tokens, want_logits), (got_tokens, got_logits) = reference[t], result[t]
-            assert [r.tolist() for r in got_tokens] == [r.tolist() for r in want_tokens], (rank, t)
-            for got, want in zip(got_logits, want_logits):
-                assert (got - want).abs().max().item() <= 1e-5, (rank, t)
-        assert "--sequence-parallel is not supported" in result["sp_refusal"]
+        for preset, sp in models:
+            for t in temperatures:
+                (want_tokens, want_logits), (got_tokens, got_logits) = reference[preset][t], result[preset, sp][t]
+                assert [r.tolist() for r in got_tokens] == [r.tolist() for r in want_tokens], (rank, preset, sp, t)
+                for got, want in zip(got_logits, want_logits):
+                    assert (got - want).abs().max().item() <= 1e-5, (rank, preset, sp, t)
 
 
 # ----------------------------------------------------------------------------- decode attention

@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_longstraw.attention.cp_attention import cp_capture_attention, cp_prefix_causal_attention
 from megatron_longstraw.attention.decode_attention import decode_attention
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
-from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
+from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
 from megatron_longstraw.longstraw.context_parallel import context_parallel_group
 from megatron_longstraw.longstraw.state import LayerState
 
@@ -123,11 +123,12 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
                 binding.state.append(key[:binding.valid_length], value[:binding.valid_length])
             return out_SBHD.reshape(seq, batch, -1)
         if binding is not None and binding.mode == Mode.DECODE:
-            binding.state.append(key, value)
+            valid = binding.valid_length or seq  # sequence parallelism pads the tokens at the end
+            binding.state.append(key[:valid], value[:valid])
             own_k, own_v = binding.state.keys_values()
             prompt_k, prompt_v = binding.state.prompt.keys_values()
-            out_SBHD = decode_attention(query, own_k, own_v, prompt_k, prompt_v, self.softmax_scale)
-            return out_SBHD.reshape(seq, batch, -1)
+            out_SBHD = decode_attention(query[:valid], own_k, own_v, prompt_k, prompt_v, self.softmax_scale)
+            return pad_rows_to(out_SBHD, seq).reshape(seq, batch, -1)
         if binding is not None and binding.mode == Mode.REFERENCE:
             key = detach_prefix(key, binding.prefix_length, 0)
             value = detach_prefix(value, binding.prefix_length, 0)

@@ -41,8 +41,8 @@ class Binding:
     prefix_length: int = 0        # REFERENCE: prompt tokens at the start of the sequence
     shard_sizes: Optional[tuple[int, ...]] = None  # CAPTURE under CP: this chunk's tokens per CP
     # rank (rank r feeds shard r); None without context parallelism (``context_parallel.py``)
-    valid_length: Optional[int] = None  # CAPTURE: the chunk's real tokens; under sequence
-    # parallelism the layers see it padded to a multiple of TP, and capture only the first rows
+    valid_length: Optional[int] = None  # CAPTURE / DECODE: the real tokens; under sequence
+    # parallelism the layers see them padded to a multiple of TP, and keep state of the first rows
 
 
 class StatefulModule:
@@ -119,3 +119,11 @@ def detach_prefix(tensor: torch.Tensor, prefix_length: int, seq_dim: int) -> tor
         return tensor
     head, tail = tensor.split([prefix_length, tensor.shape[seq_dim] - prefix_length], dim=seq_dim)
     return torch.cat([head.detach(), tail], dim=seq_dim)
+
+
+def pad_rows_to(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows appended along dim 0 up to ``rows`` (the output rows of the
+    sequence-parallel padding tokens, which keep no state)."""
+    if tensor.shape[0] >= rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])

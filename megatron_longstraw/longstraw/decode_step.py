@@ -14,7 +14,8 @@ def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> torch.Tensor
     Each layer attends over the shared prompt state, the sample's earlier tokens and the new
     tokens (causally), appends the new tokens to the sample's state and advances it. Returns the
     logits ``[b, vocab / tp]`` predicting the token after the last fed one (this rank's
-    vocabulary shard when the model keeps its output parallel).
+    vocabulary shard when the model keeps its output parallel). Under sequence parallelism the
+    layers see the tokens padded to a multiple of TP and decode only the first ``seq`` rows.
     """
     batch, seq = ids_BS.shape
     assert batch == state.num_samples, (batch, state.num_samples)
@@ -22,7 +23,7 @@ def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> torch.Tensor
         raise ValueError(f"decode state of capacity {state.capacity} cannot take {seq} more tokens "
                          f"after {state.length}")
     offset = state.position
-    with bind(model, Mode.DECODE, state, position_offset=offset):
+    with bind(model, Mode.DECODE, state, position_offset=offset, valid_length=seq):
         hidden_SBH = decode(model, embed(model, ids_BS, offset), offset)
     state.advance(seq)
     return output_logits(model, hidden_SBH[-1:])[0]

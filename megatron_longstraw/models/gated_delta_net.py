@@ -131,8 +131,8 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
 
         qkvzba_BSX = self.in_proj(hidden_states)[0].transpose(0, 1)
         padded_len = qkvzba_BSX.shape[1]
-        if mode == Mode.CAPTURE and binding.valid_length is not None:
-            # sequence parallelism pads the chunk at the end: the state runs over the real tokens
+        if mode in (Mode.CAPTURE, Mode.DECODE) and binding.valid_length is not None:
+            # sequence parallelism pads the tokens at the end: the state runs over the real ones
             qkvzba_BSX = qkvzba_BSX[:, :binding.valid_length]
         batch, seq_len = qkvzba_BSX.shape[:2]
         # Megatron's feat_dim_split divides by the CP size (its CP splits heads); every head is local here

@@ -42,7 +42,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_longstraw.attention.cp_sparse_attention import (
     chunk_query_positions, cp_index_topk, cp_sparse_latent_attention, up_project)
 from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise, sparse_latent_attention
-from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
+from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
 from megatron_longstraw.longstraw.context_parallel import all_gather_rows, context_parallel_group
 from megatron_longstraw.models.glm5_decode import decode_index_topk, decode_sparse_attention
 from megatron_longstraw.models.glm5_state import (
@@ -182,6 +182,8 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
         state = binding.state
         with self.rope_offset.shifted(binding.position_offset):
             q, k, weights = self.forward_before_topk(x, qr)
+        valid = binding.valid_length or q.shape[0]  # the real tokens (sequence parallelism pads)
+        q, k, weights = q[:valid], k[:valid], weights[:valid]
         state.append(k)
         return decode_index_topk(q, weights, state.prompt.filled(), state.filled(), self.index_topk,
                                  use_relu=self.config.dsa_indexer_scoring_relu)
@@ -353,10 +355,11 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
         with self.rope_offset.shifted(binding.position_offset):
             q_absorbed, kv_latent, q_compressed = self.get_query_key_value_tensors(hidden_states)
         v_up_weight = self._get_v_up_weight()
-        if mode == Mode.DECODE:
-            state.append(kv_latent.squeeze(2))
-            core_out = self.core_attention.forward_decode(q_absorbed, state, hidden_states, q_compressed,
-                                                          v_up_weight)
+        if mode == Mode.DECODE:  # sequence parallelism pads the tokens at the end: the first rows
+            valid = binding.valid_length or q_absorbed.shape[0]
+            state.append(kv_latent.squeeze(2)[:valid])
+            core_out = pad_rows_to(self.core_attention.forward_decode(
+                q_absorbed[:valid], state, hidden_states, q_compressed, v_up_weight), q_absorbed.shape[0])
         elif mode == Mode.REFERENCE:
             core_out = self.core_attention(
                 q_absorbed, detach_prefix(kv_latent, binding.prefix_length, 0), value=None,

@@ -118,9 +118,6 @@ def _check(model, prompt_state: PromptState, num_samples: int, max_new_tokens: i
             f"exceeds the model's {model.max_sequence_length} positions")
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError("decoding with --pipeline-model-parallel-size > 1 is not supported")
-    if model.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
-        raise ValueError("decoding with --sequence-parallel is not supported: a decode step has one "
-                         "token per sample, which cannot be split over the tensor-parallel ranks")
 
 
 @torch.no_grad()

@@ -34,22 +34,15 @@ def rollouts(model, prompt_1S: torch.Tensor, chunk: int, num_samples: int, max_n
     return result.responses, result.step_logits
 
 
-def tp_rollout_worker(preset: str, tp: int, prompt_1S: torch.Tensor, chunk: int, num_samples: int,
+def tp_rollout_worker(models: tuple, tp: int, prompt_1S: torch.Tensor, chunk: int, num_samples: int,
                       max_new_tokens: int, temperatures: tuple, seed: int) -> dict:
-    """Run on each rank: TP=``tp`` rollouts per temperature, ``{temperature: (responses, logits)}``,
-    plus under ``"sp_refusal"`` the error decoding gives a sequence-parallel model (TP > 1)."""
+    """Run on each rank: for each ``(preset, sequence_parallel)`` of ``models``, TP=``tp``
+    rollouts per temperature, ``{(preset, sequence_parallel): {temperature: (responses, logits)}}``."""
     torch.set_num_threads(1)  # tiny matmuls: the ranks share the host's cores
     init_distributed(ParallelSizes(tensor=tp), seed=1234)
-    model = sharded_output_model(preset)
-    results = {t: rollouts(model, prompt_1S, chunk, num_samples, max_new_tokens, t, seed)
-               for t in temperatures}
-    results["sp_refusal"] = None
-    if tp > 1:
-        sp_model = sharded_output_model("qwen3.5-debug", sequence_parallel=True)
-        # refused before the state is read: an empty state of the right model is enough
-        state = PromptState(prompt_length=4, batch=1, model_signature=model_signature(sp_model))
-        try:
-            generate_from_state(sp_model, state, num_samples, 2)
-        except ValueError as error:
-            results["sp_refusal"] = str(error)
+    results = {}
+    for preset, sequence_parallel in models:
+        model = sharded_output_model(preset, sequence_parallel=sequence_parallel)
+        results[preset, sequence_parallel] = {t: rollouts(model, prompt_1S, chunk, num_samples, max_new_tokens,
+                                                          t, seed) for t in temperatures}
     return results

@@ -205,9 +205,6 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.parallel.expert > 1 and args.data_parallel_size > 1:
         raise ValueError("--expert-model-parallel-size > 1 with data parallelism is not supported yet: "
                          "data-parallel ranks run different prompts, so their expert all-to-alls would not match")
-    if args.sequence_parallel and args.rollout_source == "internal":
-        raise ValueError("--sequence-parallel works for capture and replay but not yet for decoding: use "
-                         "--rollout-source jsonl with it, or leave it off")
     if args.parallel.pipeline > 1:
         raise ValueError("--pipeline-model-parallel-size > 1 is not supported by the trainer yet "
                          "(LongStraw PP is in progress)")
