@@ -22,7 +22,8 @@ from megatron_longstraw.training.arguments import parse_args  # noqa: E402
 from megatron_longstraw.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_longstraw.training.grpo_step import PhaseClock, train_group  # noqa: E402
 from megatron_longstraw.training.metrics import reduce_step_metrics, throughput_metrics  # noqa: E402
-from megatron_longstraw.training.optimizer import build_optimizer, build_scheduler, wrap_ddp  # noqa: E402
+from megatron_longstraw.training.optimizer import (  # noqa: E402
+    build_optimizer, build_scheduler, finish_gradients, wrap_ddp)
 from megatron_longstraw.training.run_logger import RunLogger  # noqa: E402
 from megatron_longstraw.training.setup import build_policy, build_prompt_source, build_reward_fn  # noqa: E402
 
@@ -63,7 +64,7 @@ def train(args):
                 metrics["loss/total"] = metrics.pop("loss/sum") / args.data_parallel_size
             lr = scheduler.get_lr(optimizer.param_groups[0])
             with clock("optimizer"):
-                ddp.finish_grad_sync()
+                finish_gradients(ddp)
                 update_ok, grad_norm, _ = optimizer.step()
                 if update_ok:
                     scheduler.step(increment=1)

@@ -2,10 +2,12 @@
 
 
 def train_worker(argv: list[str]) -> dict:
-    """``train_grpo.train`` on ``argv`` in this rank; returns the last metrics and, from the
-    first data-parallel rank, the parameters (CPU copies)."""
+    """``train_grpo.train`` on ``argv`` in this rank; returns the last metrics, this rank's
+    parameters (CPU copies) and, for tensor-parallel ones, how TP splits them
+    (``{name: (partition dim, fused sections)}``, see ``builder.shard_for_rank``)."""
     import train_grpo
     from megatron_longstraw.distributed import destroy_distributed, init_distributed
+    from megatron_longstraw.models.registry import family_for
 
     import torch
 
@@ -15,9 +17,12 @@ def train_worker(argv: list[str]) -> dict:
     try:
         metrics, model = train_grpo.train(args)
         params = {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}  # pickles by value
+        family = family_for(model.hf_config["model_type"])
+        splits = {n: (p.partition_dim, family.tp_sections(n, model.config))
+                  for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
     finally:
         destroy_distributed()
-    return {"metrics": metrics, "params": params}
+    return {"metrics": metrics, "params": params, "tp_splits": splits}
 
 
 def _world_size() -> int:

@@ -2,6 +2,7 @@
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -12,6 +13,15 @@ def wrap_ddp(model, args) -> DistributedDataParallel:
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer)
     return DistributedDataParallel(model.config, config, model)
+
+
+def finish_gradients(ddp_model: DistributedDataParallel) -> None:
+    """Megatron's ``finalize_model_grads`` before the optimizer step: the DP x CP gradient
+    reduction, and the TP sums of the gradients of replicated parameters that each TP rank
+    computes only in part (q/k norms, Gated DeltaNet's output norm via ``patches``, norms under
+    sequence parallelism), the MoE router's expert-bias update, and the embedding sums across
+    pipeline stages. ``finish_grad_sync`` alone does only the first: TP ranks would drift apart."""
+    finalize_model_grads([ddp_model])
 
 
 def build_optimizer(ddp_model: DistributedDataParallel, args):
