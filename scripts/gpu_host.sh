@@ -11,6 +11,11 @@
 #       bash scripts/gpu_host.sh bench-cp N [bench args ...]   (N GPUs, context parallel size N)
 #       bash scripts/gpu_host.sh train [train_grpo.py args ...]
 #       bash scripts/gpu_host.sh train-sweep "COMMON ARGS" NAME "ARGS" [NAME "ARGS" ...]
+# Transformer Engine (../shared/offline-gpu/fetch-te.sh makes .te-1 ... .te-6 here): one call per
+# piece while the machine stays warm, carrying .te-N alone (each is up to 56 MiB):
+#       bash scripts/gpu_host.sh te-piece          (carry .te-1, then .te-2, ... .te-5)
+#       bash scripts/gpu_host.sh te-build          (carry .te-6: joins, installs, compiles ~2 min)
+# afterwards every verb puts /tmp/te-site on PYTHONPATH.
 # On a host of several GPUs, verbs run side by side with CUDA_VISIBLE_DEVICES and OUT=$OUT/NAME
 # each (install .whl-b first with `install-b` so that they do not race on it).
 # `run` installs .whl-b when carried, runs the GPU test tier (tests/gpu), prints a table.
@@ -115,6 +120,8 @@ case "${1:-}" in
     tail -n 5 "$out/gpu-tests.log"; python3 tools/gpu_summary.py "$out/gpu-tests.xml" || true
     exit $status ;;
   install-b) install .whl-b; echo "installed .whl-b into $site" ;;
+  te-piece) mkdir -p /tmp/te; for d in .te-[1-5]; do if [ -d "$d" ]; then cp "$d"/* /tmp/te/; fi; done; ls /tmp/te ;;
+  te-build) bash .te-6/build-te.sh ;;
   train-sweep)
     shift; prepare
     common=${1:?usage: train-sweep "COMMON ARGS" NAME "ARGS" ...}; shift
@@ -146,6 +153,6 @@ case "${1:-}" in
     python3 tools/plot_metrics.py "$out/train/metrics.jsonl" --keys reward/mean,entropy/mean \
       --output "$out/train/learning_curve.png" --title "train_grpo.py $*" || true
     exit "$status" ;;
-  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | train [args] | train-sweep COMMON NAME ARGS ..." >&2
+  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | te-piece | te-build | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | train [args] | train-sweep COMMON NAME ARGS ..." >&2
      exit 2 ;;
 esac

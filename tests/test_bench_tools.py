@@ -124,3 +124,29 @@ def test_largest_prompt_fit_is_the_line_through_the_peaks():
     (fit,) = largest_prompt_fits(rows + [dict(rows[0], oom=True, prompt_length=2**23)])
     assert abs(fit["fixed_gib"] - 10) < 1e-9 and abs(fit["per_1k_mib"] - 1.0) < 1e-9
     assert fit["largest_prompt"] == 130 * 2**20
+
+
+def test_trainer_capture_mfu_covers_both_families(monkeypatch):
+    """The trainer's capture MFU uses the family's FLOPs formula (GLM-5 too), a CP rank counting
+    its 1/CP share; replay MFU stays Qwen3.5-only (no GLM replay formula)."""
+    from types import SimpleNamespace
+
+    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.longstraw.cost_model import prompt_flops
+    from megatron_longstraw.testing.parity import seeded_model
+    from megatron_longstraw.training import metrics
+
+    init_distributed(ParallelSizes(), seed=1)
+    try:
+        monkeypatch.setattr(metrics.torch.cuda, "is_available", lambda: True)
+        groups = [{"prompt/length": 100, "tokens/response": 30}, {"prompt/length": 60, "tokens/response": 20}]
+        times = {"time/capture_s": 2.0, "time/replay_s": 4.0}
+        for preset in ("glm-5-debug", "qwen3.5-debug"):
+            hf = resolve_hf_config(preset)
+            model = seeded_model(hf)
+            out = metrics.throughput_metrics(hf, model, groups, times, SimpleNamespace(peak_tflops=1.0))
+            want = (prompt_flops(hf, model, 100) + prompt_flops(hf, model, 60)) / 2.0 / 1e12
+            assert abs(out["mfu/capture"] - want) <= 1e-12 * want
+            assert ("mfu/replay" in out) == preset.startswith("qwen")
+    finally:
+        destroy_distributed()

@@ -4,7 +4,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_longstraw.distributed import device
-from megatron_longstraw.longstraw.cost_model import (linear_weight_elements, qwen_prompt_flops,
+from megatron_longstraw.longstraw.cost_model import (linear_weight_elements, prompt_flops,
                                                      qwen_response_forward_flops)
 
 # summed over the step's groups and ranks; "*_max" / "*_min" and "*/max" / "*/min" keys take the
@@ -54,8 +54,9 @@ def reduce_step_metrics(groups: list[dict]) -> dict:
 
 
 def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, args) -> dict:
-    """Tokens/s per phase (this rank) and, on a GPU with a Qwen3.5-family model, MFU of capture
-    and replay against ``--peak-tflops``."""
+    """Tokens/s per phase (this rank) and, on a GPU, MFU against ``--peak-tflops`` of capture (both
+    families) and replay (Qwen3.5 family). Under context parallelism a rank's capture MFU counts
+    its share (1/CP) of the prompt's FLOPs."""
     prompt_tokens = sum(g["prompt/length"] for g in groups)
     response_tokens = sum(g["tokens/response"] for g in groups)
     out = {}
@@ -64,13 +65,18 @@ def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, a
         seconds = phase_times.get(f"time/{phase}_s")
         if seconds:
             out[f"throughput/{phase}_tokens_per_s"] = tokens / seconds
-    if torch.cuda.is_available() and hf["model_type"].startswith("qwen3_5"):
+    if not torch.cuda.is_available():
+        return out
+    flops = {}
+    per_prompt = [prompt_flops(hf, model, int(g["prompt/length"])) for g in groups]
+    if all(f is not None for f in per_prompt):
+        flops["capture"] = sum(per_prompt) / parallel_state.get_context_parallel_world_size()
+    if hf["model_type"].startswith("qwen3_5"):
         linear = linear_weight_elements(model)
-        capture = sum(qwen_prompt_flops(hf, linear, int(g["prompt/length"])) for g in groups)
-        replay = sum(3 * qwen_response_forward_flops(hf, linear, int(g["prompt/length"]),
-                                                     int(g["tokens/response"])) for g in groups)
-        for phase, flops in (("capture", capture), ("replay", replay)):
-            seconds = phase_times.get(f"time/{phase}_s")
-            if seconds:
-                out[f"mfu/{phase}"] = flops / seconds / (args.peak_tflops * 1e12)
+        flops["replay"] = sum(3 * qwen_response_forward_flops(hf, linear, int(g["prompt/length"]),
+                                                              int(g["tokens/response"])) for g in groups)
+    for phase, total in flops.items():
+        seconds = phase_times.get(f"time/{phase}_s")
+        if seconds:
+            out[f"mfu/{phase}"] = total / seconds / (args.peak_tflops * 1e12)
     return out
