@@ -138,13 +138,14 @@ def test_trainer_capture_mfu_covers_both_families(monkeypatch):
 
     init_distributed(ParallelSizes(), seed=1)
     try:
-        monkeypatch.setattr(metrics.torch.cuda, "is_available", lambda: True)
         groups = [{"prompt/length": 100, "tokens/response": 30}, {"prompt/length": 60, "tokens/response": 20}]
         times = {"time/capture_s": 2.0, "time/replay_s": 4.0}
         for preset in ("glm-5-debug", "qwen3.5-debug"):
             hf = resolve_hf_config(preset)
-            model = seeded_model(hf)
-            out = metrics.throughput_metrics(hf, model, groups, times, SimpleNamespace(peak_tflops=1.0))
+            model = seeded_model(hf)  # built before CUDA is faked (HF picks its kernels once)
+            with monkeypatch.context() as patch:
+                patch.setattr(metrics.torch.cuda, "is_available", lambda: True)
+                out = metrics.throughput_metrics(hf, model, groups, times, SimpleNamespace(peak_tflops=1.0))
             want = (prompt_flops(hf, model, 100) + prompt_flops(hf, model, 60)) / 2.0 / 1e12
             assert abs(out["mfu/capture"] - want) <= 1e-12 * want
             assert ("mfu/replay" in out) == preset.startswith("qwen")

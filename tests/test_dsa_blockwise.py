@@ -36,8 +36,8 @@ def _unchunked_topk(q_SBHD, weights_SBH, prefix_P1D, own_SBD, k, use_relu):
                                 varlen_ends=ends, use_relu=use_relu)[1]
 
 
-@pytest.mark.parametrize("key_block,score_elements", [(8, 1 << 30), (7, 1 << 30), (1, 4 * HEADS * 5), (5, 4 * HEADS * 5),
-                                                       (4096, 1 << 27)])
+@pytest.mark.parametrize("key_block,score_elements", [(8, 1 << 30), (7, 1 << 30), (1, 4 * HEADS * 5),
+                                                       (5, 4 * HEADS * 5), (4096, 1 << 27)])
 @pytest.mark.parametrize("use_relu,ties", [(True, False), (False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_blockwise_topk_equals_unchunked(monkeypatch, key_block, score_elements, use_relu, ties, dtype):

@@ -97,15 +97,6 @@ class _RunningTopk:
         block = (values, positions_T[order])
         self.best = block if self.best is None else _merge(self.best, block, self.width)
 
-    def positions(self) -> torch.Tensor | None:
-        """``[b, q, n <= width]`` positions, best first, ``-1`` where nothing was visible."""
-        if self.best is None:
-            return None
-        if isinstance(self.best, tuple):
-            values, positions = self.best
-            return positions.masked_fill(values == float("-inf"), -1)
-        return _unpack(self.best)
-
 
 def _fused_scorer(q_SBHD, keys):
     """The Triton index-score kernel when it takes these inputs (CUDA, bf16/fp16), else None."""
@@ -128,7 +119,8 @@ def _pad_candidates(candidates, width: int):
     pad = width - candidates.shape[-1]
     if pad <= 0:
         return candidates
-    filler = _pack(torch.full((1,), float("-inf"), device=candidates.device), torch.full((1,), _LOW, device=candidates.device))
+    device = candidates.device
+    filler = _pack(torch.full((1,), float("-inf"), device=device), torch.full((1,), _LOW, device=device))
     return torch.cat([candidates, filler.expand(*candidates.shape[:-1], pad)], -1)
 
 

@@ -67,6 +67,7 @@ def test_glm_capture_replay_bf16_matches_full_forward(single_process, monkeypatc
         full = forward_logits(model, sequence)[0, 699:-1].float()
         replayed = replay_logits(model, capture_prompt(model, prompt, 256), response)[:, 0].float()
     scale = truth.abs().max()
-    full_error, replay_error = ((full - truth).abs().max() / scale).item(), ((replayed - truth).abs().max() / scale).item()
+    full_error = ((full - truth).abs().max() / scale).item()
+    replay_error = ((replayed - truth).abs().max() / scale).item()
     record_property("rel_err_full_replay", f"{full_error:.1e},{replay_error:.1e}")
     assert replay_error <= max(2 * full_error, 2e-2)
