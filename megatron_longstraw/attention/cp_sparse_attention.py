@@ -46,17 +46,19 @@ def _runs(keys_TBD: torch.Tensor, positions_T: torch.Tensor) -> list:
 
 
 @torch.no_grad()
-def cp_index_topk(q_SBHD, weights_SBH, keys_TBD, key_pos_T, query_pos_S, index_topk: int,
-                  total_keys: int, use_relu: bool, group, own_keys_TBD=None, own_pos_T=None):
+def cp_index_topk(q_SBHD, weights_SBH, local_parts, query_pos_S, index_topk: int, total_keys: int, use_relu: bool,
+                  group, own_keys_TBD=None, own_pos_T=None):
     """Global top-k positions ``[b, s, min(index_topk, total_keys)]`` (``-1``: none) of the
-    queries (consecutive positions ``query_pos_S``) over every CP rank's ``keys`` (``[t_r, 1 or b,
-    d]`` at ascending global positions ``key_pos_T``) plus the replicated ``own_keys``; identical
-    on every rank. Each rank's candidates come from ``dsa_blockwise.topk_candidates`` (blocks,
-    fused scores on CUDA), then all ranks' are gathered and merged."""
+    queries (consecutive positions ``query_pos_S``) over every CP rank's keys (this rank's
+    ``local_parts``: ``[(keys [t, 1 or b, d], ascending global positions [t]), ...]`` in
+    ascending order, e.g. the pages and the chunk's own shard) plus the replicated ``own_keys``;
+    identical on every rank. Each rank's candidates come from ``dsa_blockwise.topk_candidates``
+    (blocks, fused scores on CUDA), then all ranks' are gathered and merged."""
     width = min(index_topk, total_keys)
     start = int(query_pos_S[0])
-    dtype = torch.promote_types(torch.promote_types(q_SBHD.dtype, keys_TBD.dtype), torch.float32)
-    mine = topk_candidates(q_SBHD, weights_SBH, _runs(keys_TBD, key_pos_T), start, width, use_relu, dtype)
+    dtype = torch.promote_types(q_SBHD.dtype, torch.float32)
+    runs = [run for keys, positions in local_parts for run in _runs(keys, positions)]
+    mine = topk_candidates(q_SBHD, weights_SBH, runs, start, width, use_relu, dtype)
     pieces = mine if isinstance(mine, tuple) else (mine,)
     gathered = []
     for piece in pieces:
@@ -70,17 +72,27 @@ def cp_index_topk(q_SBHD, weights_SBH, keys_TBD, key_pos_T, query_pos_S, index_t
     return candidate_positions(merge_candidates(sets, width))
 
 
-def cp_sparse_latent_attention(query_SBNK, keys_TBK, key_pos_T, topk_BSK, total_positions: int,
-                               scale: float, v_channels: int, group, own_keys_TBK=None,
-                               own_pos_T=None) -> torch.Tensor:
+def _merge_partials(a, b):
+    """Two ``(out, lse)`` partial attentions over disjoint keys merged exactly."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * (lse_a - lse).exp()[..., None] + out_b * (lse_b - lse).exp()[..., None], lse
+
+
+def cp_sparse_latent_attention(query_SBNK, local_parts, topk_BSK, scale: float, v_channels: int, group,
+                               own_keys_TBK=None, own_pos_T=None) -> torch.Tensor:
     """Absorbed sparse attention ``[s, b, heads, v_channels]`` (before the V up projection) of
-    the queries over their selected keys: this rank's ``keys`` (``[t_r, 1 or b, kv_lora + rope]``
-    at ascending positions ``key_pos_T``, no gradient) merged over the CP group, plus the
-    replicated ``own_keys`` (with gradient). Each part gathers only its selected keys
-    (``dsa_blockwise.sparse_latent_partial``). ``total_positions`` is kept for the callers."""
+    the queries over their selected keys: this rank's ``local_parts`` (``[(latents [t, 1 or b,
+    kv_lora + rope], ascending global positions [t]), ...]``, no gradient) merged over the CP
+    group, plus the replicated ``own_keys`` (with gradient). Each part gathers only its selected
+    keys (``dsa_blockwise.sparse_latent_partial``)."""
     q_pages = copy_to_tensor_model_parallel_region(query_SBNK, group=group) if query_SBNK.requires_grad \
         else query_SBNK
-    out, lse = sparse_latent_partial(q_pages, keys_TBK, key_pos_T, topk_BSK, scale, v_channels)
+    partial = None
+    for keys_TBK, positions_T in local_parts:
+        part = sparse_latent_partial(q_pages, keys_TBK, positions_T, topk_BSK, scale, v_channels)
+        partial = part if partial is None else _merge_partials(partial, part)
+    out, lse = partial
     top = lse.detach().clone()
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     weight = (lse - top).exp()
@@ -88,9 +100,8 @@ def cp_sparse_latent_attention(query_SBNK, keys_TBK, key_pos_T, topk_BSK, total_
                                                       group=group)
     out, lse = packed[..., :-1] / packed[..., -1:], top + packed[..., -1].log()
     if own_keys_TBK is not None:
-        own_out, own_lse = sparse_latent_partial(query_SBNK, own_keys_TBK, own_pos_T, topk_BSK, scale, v_channels)
-        merged = torch.logaddexp(lse, own_lse)
-        out = out * (lse - merged).exp()[..., None] + own_out * (own_lse - merged).exp()[..., None]
+        own = sparse_latent_partial(query_SBNK, own_keys_TBK, own_pos_T, topk_BSK, scale, v_channels)
+        out, lse = _merge_partials((out, lse), own)
     return out.to(query_SBNK.dtype)
 
 

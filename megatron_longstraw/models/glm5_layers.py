@@ -218,12 +218,12 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
             own_pos = torch.arange(binding.position_offset, binding.position_offset + k.shape[0], device=q.device)
             topk = cp_index_topk(torch.cat(all_gather_rows(q, sizes, group)),
                                  torch.cat(all_gather_rows(weights, sizes, group)),
-                                 torch.cat([pages, k.to(pages.dtype)]), torch.cat([pages_pos, own_pos]), query_pos,
+                                 [(pages, pages_pos), (k, own_pos)], query_pos,
                                  self.index_topk, int(query_pos[-1]) + 1, relu, group)
             state.append(k)
             return topk
         query_pos = torch.arange(binding.position_offset, binding.position_offset + q.shape[0], device=q.device)
-        return cp_index_topk(q, weights, pages, pages_pos, query_pos, self.index_topk, int(query_pos[-1]) + 1,
+        return cp_index_topk(q, weights, [(pages, pages_pos)], query_pos, self.index_topk, int(query_pos[-1]) + 1,
                              relu, group, own_keys_TBD=k, own_pos_T=query_pos)
 
 
@@ -273,19 +273,17 @@ class LongStrawDSAttention(DSAttention):
         pages, pages_pos = state.filled(), state.filled_positions()
         if binding.mode == Mode.CAPTURE:
             sizes = binding.shard_sizes
-            mine, query_pos = chunk_query_positions(binding, group, query_SBNK.device)
+            mine, _ = chunk_query_positions(binding, group, query_SBNK.device)
             own_pos = torch.arange(binding.position_offset, binding.position_offset + key_SBK.shape[0],
                                    device=query_SBNK.device)
             out = cp_sparse_latent_attention(
-                torch.cat(all_gather_rows(query_SBNK, sizes, group)), torch.cat([pages, key_SBK.to(pages.dtype)]),
-                torch.cat([pages_pos, own_pos]), topk_BSK, int(query_pos[-1]) + 1, self.softmax_scale,
-                v_channels, group)[mine:mine + key_SBK.shape[0]]
+                torch.cat(all_gather_rows(query_SBNK, sizes, group)), [(pages, pages_pos), (key_SBK, own_pos)],
+                topk_BSK, self.softmax_scale, v_channels, group)[mine:mine + key_SBK.shape[0]]
         else:
             own_pos = torch.arange(binding.position_offset, binding.position_offset + key_SBK.shape[0],
                                    device=query_SBNK.device)
-            out = cp_sparse_latent_attention(query_SBNK, pages, pages_pos, topk_BSK, int(own_pos[-1]) + 1,
-                                             self.softmax_scale, v_channels, group, own_keys_TBK=key_SBK,
-                                             own_pos_T=own_pos)
+            out = cp_sparse_latent_attention(query_SBNK, [(pages, pages_pos)], topk_BSK, self.softmax_scale,
+                                             v_channels, group, own_keys_TBK=key_SBK, own_pos_T=own_pos)
         return up_project(out, up_v_weight)
 
     @torch.no_grad()
