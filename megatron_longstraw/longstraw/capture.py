@@ -7,6 +7,7 @@ import torch
 from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
 from megatron_longstraw.longstraw.context_parallel import capture_prompt_cp, context_parallel_group
 from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, embed, output_logits
+from megatron_longstraw.longstraw.pipeline import capture_prompt_pp, pipeline_parallel
 from megatron_longstraw.longstraw.state import PromptState
 
 
@@ -20,7 +21,8 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     Returns the prompt state with the last position's hidden state and next-token logits.
     ``progress``, if given, is called with the number of tokens of each finished chunk.
     Under context parallelism every CP rank calls it with the whole prompt and keeps its shard
-    of the state (``context_parallel.capture_prompt_cp``).
+    of the state (``context_parallel.capture_prompt_cp``); under pipeline parallelism every stage
+    does, and keeps the state of its own layers (``pipeline.capture_prompt_pp``).
     """
     if prompt_ids_BS.dim() != 2 or prompt_ids_BS.shape[1] == 0:
         raise ValueError(f"prompt must be [batch, tokens] with at least one token, got {tuple(prompt_ids_BS.shape)}")
@@ -31,6 +33,8 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
         raise ValueError(f"prompt of {length} tokens exceeds the model's {model.max_sequence_length} positions")
     if context_parallel_group() is not None:
         return capture_prompt_cp(model, prompt_ids_BS, chunk_size, progress)
+    if pipeline_parallel():
+        return capture_prompt_pp(model, prompt_ids_BS, chunk_size, progress)
     state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
     for name, module in stateful_modules(model).items():
         state.layers[name] = module.new_prompt_state(length, batch, prompt_ids_BS.device)

@@ -6,6 +6,7 @@ import torch
 
 from megatron_longstraw.longstraw.binding import Mode, bind
 from megatron_longstraw.longstraw.model_steps import decode, embed, final_norm, loss_of, output_logits
+from megatron_longstraw.longstraw.pipeline import pipeline_parallel, replay_responses_pp
 from megatron_longstraw.longstraw.state import PromptState
 
 # loss_fn(logprobs_RB, mask_RB, sample_indices) -> scalar; summed over micro-batches, so it must be
@@ -59,6 +60,8 @@ def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor
     Gradients accumulate in the parameters; each micro-batch's graph is freed before the next.
     Returns each micro-batch's loss.
     """
+    if pipeline_parallel():  # Megatron's schedule, one micro-batch per micro_batch_size responses
+        return replay_responses_pp(model, state, responses, loss_fn, micro_batch_size)
     if micro_batch_size < 1:
         raise ValueError(f"--replay-micro-batch-size must be >= 1, got {micro_batch_size}")
     losses = []

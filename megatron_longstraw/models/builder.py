@@ -8,6 +8,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_longstraw.models.options import ModelOptions, backend_provider
+from megatron_longstraw.models.pipeline_stage import local_layer_ids
 from megatron_longstraw.models.registry import family_for
 
 
@@ -93,12 +94,30 @@ def _expert_local_name(name: str, config) -> Optional[str]:
     return f"{match.group(1)}{local}{match.group(3)}"
 
 
+def _stage_name(name: str, model: GPTModel, local_ids: dict[int, int]) -> Optional[str]:
+    """A full-model weight name on this pipeline stage (``decoder.layers.{global}`` renumbered to
+    the stage's local index), or None when the weight lives on another stage. A stage that has
+    the output layer but not the embedding takes a tied embedding as its output weight."""
+    if name.startswith("decoder.layers."):
+        parts = name.split(".")
+        local = local_ids.get(int(parts[2]))
+        return None if local is None else ".".join([*parts[:2], str(local), *parts[3:]])
+    if name.startswith("embedding."):
+        if model.pre_process:
+            return name
+        tied = name == "embedding.word_embeddings.weight" and model.share_embeddings_and_output_weights
+        return "output_layer.weight" if tied and model.post_process else None
+    if name.startswith(("output_layer.", "decoder.final_layernorm.")):
+        return name if model.post_process else None
+    return name
+
+
 @torch.no_grad()
 def load_full_state_dict(model: GPTModel, full: dict[str, torch.Tensor]) -> None:
     """Copy full (TP-unsharded, local-spec-named) weights into this rank's model.
 
-    Every model parameter must be provided and every provided tensor must be used (names of
-    layers on other pipeline stages are skipped by the caller's key filtering). MoE experts are
+    Every model parameter must be provided and every provided tensor must be used, except the
+    weights of other pipeline stages (``_stage_name``: layers are renumbered). MoE experts are
     named by their global number (``local_experts.{e}``); only this EP rank's experts are
     loaded, renumbered locally, and they are TP-split over the expert-tensor-parallel group.
     Buffers (e.g. the router's ``expert_bias``) are loaded when given.
@@ -107,7 +126,11 @@ def load_full_state_dict(model: GPTModel, full: dict[str, torch.Tensor]) -> None
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     used = set()
+    local_ids = {g: i for i, g in enumerate(local_layer_ids(model.config))}
     for name, tensor in full.items():
+        name = _stage_name(name, model, local_ids)
+        if name is None:
+            continue  # a weight of another pipeline stage
         local = _expert_local_name(name, model.config)
         if local is None:
             continue  # an expert of another EP rank

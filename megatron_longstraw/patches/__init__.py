@@ -22,6 +22,8 @@ CPU-only (a GPU host applies none of these):
 - ``cpu_optimizer_device``: Megatron's optimizer allocates its scalars (loss scale, found-inf,
   grad-norm buffer) on the CPU instead of a literal ``device='cuda'``; DDP's gradient reduction
   gets a host stand-in for ``torch.cuda.current_stream()``.
+- ``cpu_pipeline_schedules``: Megatron's pipeline schedules and p2p communication allocate on
+  the CPU instead of a literal ``device='cuda'`` (they then run over gloo).
 """
 
 import importlib
@@ -38,6 +40,7 @@ PATCHES = (
     "cpu_cuda_synchronize",
     "cpu_tensor_cuda",
     "cpu_optimizer_device",
+    "cpu_pipeline_schedules",
 )
 
 _applied: list[str] = []

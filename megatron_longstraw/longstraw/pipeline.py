@@ -1,0 +1,159 @@
+"""Pipeline parallelism for LongStraw: capture stage by stage, replay through Megatron's schedule.
+
+Each pipeline stage builds only its own layers (``models/pipeline_stage.py``), so it keeps the
+prompt state of those layers only.
+
+- ``capture_prompt_pp`` (no autograd): chunk by chunk, the first stage embeds the chunk, every
+  stage runs its layers against its state and sends the chunk's hidden states to the next stage
+  (only chunk activations cross stages); the last stage keeps the final norm's input at the last
+  prompt token and the next-token logits.
+- ``replay_responses_pp`` (autograd): Megatron's ``get_forward_backward_func()`` schedule with
+  one micro-batch per ``micro_batch_size`` responses; the forward step runs this stage's layers
+  bound to this stage's prompt state (the binding spans the whole schedule, so backward and any
+  recomputation see it too); the last stage computes the loss. Responses are padded to one length
+  so that every micro-batch has the shape the schedule's point-to-point transfers expect.
+
+Not yet combined with sequence or context parallelism (refused with a clear error).
+"""
+
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
+from megatron_longstraw.longstraw.context_parallel import context_parallel_group
+from megatron_longstraw.longstraw.model_steps import (
+    FinalNormInput, decode, embed, final_norm, loss_of, output_logits, sequence_parallel)
+from megatron_longstraw.longstraw.state import PromptState
+
+
+def pipeline_parallel() -> bool:
+    """Whether Megatron's pipeline-parallel size is above 1."""
+    return parallel_state.get_pipeline_model_parallel_world_size() > 1
+
+
+def _check(model) -> None:
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if sequence_parallel(model):
+        raise ValueError(f"--sequence-parallel with --pipeline-model-parallel-size {pp} is not supported by "
+                         "LongStraw capture/replay yet")
+    if context_parallel_group() is not None:
+        raise ValueError(f"--context-parallel-size > 1 with --pipeline-model-parallel-size {pp} is not "
+                         "supported by LongStraw capture/replay yet")
+
+
+def _stage_input(model, shape, device) -> Optional[torch.Tensor]:
+    """The previous stage's hidden states (``None`` on the first stage)."""
+    if parallel_state.is_pipeline_first_stage():
+        return None
+    hidden = torch.empty(shape, dtype=model.config.pipeline_dtype, device=device)
+    dist.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+    return hidden
+
+
+@torch.no_grad()
+def capture_prompt_pp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
+                      progress: Optional[Callable[[int], object]] = None) -> PromptState:
+    """``capture_prompt`` over the pipeline stages: every stage calls it with the whole prompt and
+    returns the state of its own layers; the last stage's state also holds the last prompt
+    position's hidden state and logits (the other stages' hold ``None``)."""
+    _check(model)
+    batch, length = prompt_ids_BS.shape
+    device = prompt_ids_BS.device
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
+    for name, module in stateful_modules(model).items():
+        state.layers[name] = module.new_prompt_state(length, batch, device)
+    norm_input = FinalNormInput(model) if last else None
+    try:
+        for start in range(0, length, chunk_size):
+            ids_BS = prompt_ids_BS[:, start:start + chunk_size]
+            seq = ids_BS.shape[1]
+            hidden_SBH = embed(model, ids_BS, start) if first else \
+                _stage_input(model, (seq, batch, model.config.hidden_size), device)
+            if not first:
+                model.set_input_tensor(hidden_SBH)
+            with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=seq):
+                hidden_SBH = decode(model, hidden_SBH, start)
+            if not last:
+                dist.send(hidden_SBH.to(model.config.pipeline_dtype).contiguous(),
+                          parallel_state.get_pipeline_model_parallel_next_rank())
+            if progress is not None:
+                progress(seq)
+    finally:
+        model.set_input_tensor(None)
+        if norm_input is not None:
+            norm_input.remove()
+    if last:
+        state.last_hidden_1BH = norm_input.input_SBH[-1:]
+        state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
+    return state
+
+
+def _micro_batches(responses: Sequence[torch.Tensor], micro_batch_size: int):
+    """``(ids_BR, mask_RB, indices)`` per micro-batch, every one ``micro_batch_size`` rows of the
+    same length (the last padded with empty rows, whose ``indices`` are left out)."""
+    from megatron_longstraw.longstraw.replay import pad_responses
+
+    ids_BR, mask_RB = pad_responses(responses)
+    count = math.ceil(len(responses) / micro_batch_size)
+    rows = count * micro_batch_size
+    if rows > len(responses):
+        ids_BR = torch.cat([ids_BR, ids_BR.new_zeros(rows - len(responses), ids_BR.shape[1])])
+        mask_RB = torch.cat([mask_RB, mask_RB.new_zeros(mask_RB.shape[0], rows - len(responses))], dim=1)
+    batches = []
+    for start in range(0, rows, micro_batch_size):
+        indices = [i for i in range(start, start + micro_batch_size) if i < len(responses)]
+        batches.append((ids_BR[start:start + micro_batch_size], mask_RB[:, start:start + micro_batch_size], indices))
+    return batches
+
+
+def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Tensor], loss_fn,
+                        micro_batch_size: int = 1) -> list[float]:
+    """``replay_responses`` through Megatron's pipeline schedule (same arguments); every stage
+    calls it with the same responses. Gradients accumulate in this stage's parameters; returns
+    each micro-batch's loss on the last stage, an empty list elsewhere."""
+    _check(model)
+    if micro_batch_size < 1:
+        raise ValueError(f"--replay-micro-batch-size must be >= 1, got {micro_batch_size}")
+    batches = _micro_batches(responses, micro_batch_size)
+    length = batches[0][0].shape[1]
+    if state.prompt_length + length > model.max_sequence_length:
+        raise ValueError(f"response of {length} tokens after a {state.prompt_length}-token prompt exceeds the "
+                         f"model's {model.max_sequence_length} positions")
+    offset, losses = state.prompt_length, []
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+
+    def forward_step(data_iterator, _model):
+        ids_BR, mask_RB, indices = next(data_iterator)
+        hidden_SBH = embed(model, ids_BR, offset) if first else model.decoder.input_tensor
+        hidden_SBH = decode(model, hidden_SBH, offset)
+        if not last:
+            return hidden_SBH, None
+        # row 0 from the prompt's last position (final norm with grad), rows 1.. from the response
+        first_1BH = final_norm(model, state.last_hidden_1BH.expand(-1, ids_BR.shape[0], -1))
+        hidden_SBH = torch.cat([first_1BH, hidden_SBH[:-1]])
+
+        def loss_func(output_SBH):
+            real = len(indices)
+            loss = loss_of(loss_fn, model, output_SBH[:, :real], ids_BR[:real], mask_RB[:, :real], indices)
+            losses.append(loss.item())
+            return loss, torch.ones((), dtype=torch.int), {}
+        return hidden_SBH, loss_func
+
+    config = model.config
+    saved = config.calculate_per_token_loss
+    config.calculate_per_token_loss = True  # the loss is already normalized: no division by micro-batches
+    try:
+        with bind(model, Mode.REPLAY, state, position_offset=offset):
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                num_microbatches=len(batches), seq_length=length, micro_batch_size=micro_batch_size,
+                forward_only=False)
+    finally:
+        config.calculate_per_token_loss = saved
+    return losses

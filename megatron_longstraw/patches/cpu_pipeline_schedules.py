@@ -1,0 +1,33 @@
+"""CPU patch: Megatron's pipeline schedules and their point-to-point communication on gloo.
+
+``megatron.core.pipeline_parallel.schedules`` allocates its token counter with a literal
+``device="cuda"``, and ``p2p_communication`` builds its receive buffers the same way. Given the
+CPU ``torch`` of ``cpu_optimizer_device`` (tensor factories map ``device='cuda'`` to the CPU,
+everything else is the real ``torch``), ``get_forward_backward_func()``'s schedules run over gloo,
+so pipeline-parallel capture/replay is tested on CPU (``tests/test_pipeline_parallel.py``).
+"""
+
+import torch
+from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+from megatron_longstraw.patches.cpu_optimizer_device import _CpuFactoryTorch
+
+_MODULES = (schedules, p2p_communication)
+
+
+def needed() -> bool:
+    """True when this process has no usable GPU."""
+    return not torch.cuda.is_available()
+
+
+def apply() -> None:
+    """Give the schedule and p2p modules the CPU ``torch``."""
+    proxy = _CpuFactoryTorch()
+    for module in _MODULES:
+        module.torch = proxy
+
+
+def revert() -> None:
+    """Give them the real ``torch`` back."""
+    for module in _MODULES:
+        module.torch = torch
