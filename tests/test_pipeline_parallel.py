@@ -10,7 +10,7 @@ import torch
 
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
-from megatron_longstraw.testing.parity import max_rel_error, random_tokens, seeded_model
+from megatron_longstraw.testing.parity import max_rel_error, pipeline_global_names, random_tokens, seeded_model
 
 PROMPT, CHUNK, RESPONSES, MICRO = 21, 8, (9, 4, 6), 2
 
@@ -27,20 +27,6 @@ def _nll(total_tokens):
     return loss_fn
 
 
-def _global_names(model) -> dict:
-    """This stage's parameter and layer names with global layer numbers (PP=1's names)."""
-    from megatron_longstraw.models.pipeline_stage import local_layer_ids
-
-    ids = local_layer_ids(model.config)
-
-    def rename(name):
-        parts = name.split(".")
-        if parts[:2] == ["decoder", "layers"]:
-            parts[2] = str(ids[int(parts[2])])
-        return ".".join(parts)
-    return rename
-
-
 def _run(hf):
     """Capture (fp32): the state per layer and the last logits; replay (fp64): losses and grads."""
     from megatron.core import parallel_state
@@ -49,7 +35,7 @@ def _run(hf):
     from megatron_longstraw.longstraw.replay import replay_responses
 
     model = seeded_model(hf, torch.float32)
-    rename = _global_names(model)
+    rename = pipeline_global_names(model)
     with torch.no_grad():
         state = capture_prompt(model, random_tokens(hf, PROMPT, 1), CHUNK)
     out = {"layers": {rename(n): {f: t.clone() for f, t in s.tensors().items()} for n, s in state.layers.items()},

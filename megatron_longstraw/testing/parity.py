@@ -1,5 +1,7 @@
 """Model-parity helpers shared by the CPU tests and the GPU test runner."""
 
+import zlib
+
 import torch
 from megatron.core import parallel_state
 
@@ -31,6 +33,37 @@ def bf16_and_fp32_models(preset: str, device: str = "cuda"):
     hf_model = build_hf_model(hf, seed=0).to(device, torch.bfloat16)
     model = megatron_from_hf(hf, hf_model, ModelOptions(params_dtype=torch.bfloat16))
     return hf, model, megatron_from_hf(hf, hf_model.float(), ModelOptions(params_dtype=torch.float32))
+
+
+def pipeline_global_names(model):
+    """A function mapping this pipeline stage's parameter names to the whole model's
+    (``decoder.layers.{local}`` -> the global layer number)."""
+    from megatron_longstraw.models.pipeline_stage import local_layer_ids
+
+    ids = local_layer_ids(model.config)
+
+    def rename(name: str) -> str:
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(ids[int(parts[2])])
+        return ".".join(parts)
+    return rename
+
+
+def grad_projections(model, rename=lambda name: name) -> dict:
+    """Per parameter with a gradient (keyed by ``rename(name)``): its norm and its projections on
+    two random directions seeded by that name, on the CPU. Two runs of one model under different
+    layouts compare their (large) gradients through these few numbers."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        key = rename(name)
+        gen = torch.Generator(device=p.device).manual_seed(zlib.crc32(key.encode()))
+        grad = p.grad.float()
+        directions = torch.randn(2, *grad.shape, device=p.device, generator=gen)
+        out[key] = torch.stack([grad.norm(), (grad * directions[0]).sum(), (grad * directions[1]).sum()]).cpu()
+    return out
 
 
 def random_tokens(hf: dict, n: int, seed: int) -> torch.Tensor:

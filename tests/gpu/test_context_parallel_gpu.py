@@ -7,24 +7,12 @@ import pytest
 import torch
 
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
+from megatron_longstraw.testing.parity import grad_projections
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 
 PROMPT, CHUNK, RESPONSES = 20_000, 8192, (1024, 777)  # uneven last chunk and shards
-
-
-def _projections(model) -> dict:
-    """Per parameter: gradient norm and two projections on seeded random directions."""
-    out = {}
-    for index, (name, p) in enumerate(model.named_parameters()):
-        if p.grad is None:
-            continue
-        gen = torch.Generator(device=p.device).manual_seed(index)
-        grad = p.grad.float()
-        directions = torch.randn(2, *grad.shape, device=p.device, generator=gen)
-        out[name] = torch.stack([grad.norm(), (grad * directions[0]).sum(), (grad * directions[1]).sum()]).cpu()
-    return out
 
 
 def _run():
@@ -55,7 +43,7 @@ def _run():
            if "recurrent_BHKV" in s.tensors()}
     total = sum(RESPONSES)
     replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / total, micro_batch_size=1)
-    return dict(logits=logits, gdn=gdn, grads=_projections(model))
+    return dict(logits=logits, gdn=gdn, grads=grad_projections(model))
 
 
 def _cp_worker():

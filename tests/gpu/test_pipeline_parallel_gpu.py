@@ -3,12 +3,11 @@ through Megatron's pipeline schedule against PP=1 on one GPU — replay losses a
 gradients (norms and two seeded projections, as ``test_context_parallel_gpu``) within bf16
 tolerance, and each stage's peak memory."""
 
-import zlib
-
 import pytest
 import torch
 
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
+from megatron_longstraw.testing.parity import grad_projections, pipeline_global_names
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -21,7 +20,6 @@ def _run():
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.replay import replay_responses
     from megatron_longstraw.models.options import ModelOptions
-    from megatron_longstraw.models.pipeline_stage import local_layer_ids
     from megatron_longstraw.models.presets import resolve_hf_config
     from megatron_longstraw.testing.hf_reference import build_hf_model
     from megatron_longstraw.testing.parity import megatron_from_hf
@@ -29,7 +27,6 @@ def _run():
     hf = resolve_hf_config("qwen3.5-0.8b")
     model = megatron_from_hf(hf, build_hf_model(hf, seed=0).to(torch.bfloat16),
                              ModelOptions(params_dtype=torch.bfloat16))
-    ids = local_layer_ids(model.config)
     gen = torch.Generator(device=device()).manual_seed(0)
     prompt = torch.randint(0, hf["vocab_size"], (1, PROMPT), device=device(), generator=gen)
     responses = [torch.randint(0, hf["vocab_size"], (n,), device=device(), generator=gen) for n in RESPONSES]
@@ -39,16 +36,7 @@ def _run():
     total = sum(RESPONSES)
     losses = replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / total,
                               micro_batch_size=1)
-    grads = {}
-    for index, (name, p) in enumerate(model.named_parameters()):
-        parts = name.split(".")
-        if parts[:2] == ["decoder", "layers"]:
-            parts[2] = str(ids[int(parts[2])])
-        gen = torch.Generator(device=p.device).manual_seed(zlib.crc32(".".join(parts).encode()))
-        grad = p.grad.float()
-        directions = torch.randn(2, *grad.shape, device=p.device, generator=gen)
-        grads[".".join(parts)] = torch.stack([grad.norm(), (grad * directions[0]).sum(),
-                                              (grad * directions[1]).sum()]).cpu()
+    grads = grad_projections(model, pipeline_global_names(model))
     return dict(losses=losses, grads=grads, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
 
 
