@@ -120,6 +120,8 @@ def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Ten
     _check(model)
     if micro_batch_size < 1:
         raise ValueError(f"--replay-micro-batch-size must be >= 1, got {micro_batch_size}")
+    if state.batch != 1:
+        raise ValueError(f"pipeline-parallel replay needs a prompt state of batch 1, got {state.batch}")
     batches = _micro_batches(responses, micro_batch_size)
     length = batches[0][0].shape[1]
     if state.prompt_length + length > model.max_sequence_length:
