@@ -216,22 +216,12 @@ def _fp64_grads(hf, tp):
 
 
 def _tp_worker(hf, reference_grads):
-    from megatron_longstraw.models.builder import shard_for_rank
+    from megatron_longstraw.testing.parity import tp_grad_errors
 
     logits = _parallel_logits(hf, 2, 1)
     model, grads = _fp64_grads(hf, 2)
     assert sorted(grads) == sorted(reference_grads)
-    rank, worst = torch.distributed.get_rank(), 0.0
-    for name, param in model.named_parameters():
-        if name not in grads:
-            continue
-        expected = reference_grads[name]
-        if getattr(param, "tensor_model_parallel", False):
-            expected = shard_for_rank(expected, param.partition_dim, rank, 2,
-                                      glm5.tp_sections(name, model.config))
-        scale = expected.abs().max().clamp_min(1e-12)
-        worst = max(worst, ((grads[name] - expected).abs().max() / scale).item())
-    return logits, worst
+    return logits, max(tp_grad_errors(model, grads, reference_grads).values())
 
 
 def test_tensor_parallel_2_matches_tp_1(single_process):

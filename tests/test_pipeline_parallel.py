@@ -10,7 +10,8 @@ import torch
 
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
-from megatron_longstraw.testing.parity import max_rel_error, pipeline_global_names, random_tokens, seeded_model
+from megatron_longstraw.testing.parity import (
+    assert_grads_match, pipeline_global_names, random_tokens, seeded_model)
 
 PROMPT, CHUNK, RESPONSES, MICRO = 21, 8, (9, 4, 6), 2
 
@@ -94,9 +95,7 @@ def test_pp2_replay_through_the_schedule_matches_pp1(runs, preset):
     grads = {}
     for stage in stages:
         grads.update(stage[preset]["grads"])
-    assert set(grads) == set(ref["grads"])  # every parameter on exactly one stage (untied embeddings)
+    assert_grads_match(grads, ref["grads"], 1e-9, preset)  # every parameter on one stage (untied embeddings)
     for name, want in ref["grads"].items():
-        rel = max_rel_error(grads[name], want)
-        assert rel <= 1e-9, f"{preset} {name}: relative gradient error {rel}"
         assert want.abs().max() > 0 or ".local_experts." in name, name  # an expert may get no token
 

@@ -83,31 +83,18 @@ def _run_cases(hf):
 
 def _tp_worker(hfs, references):
     from megatron_longstraw.distributed import ParallelSizes, init_distributed
-    from megatron_longstraw.models.builder import shard_for_rank
-    from megatron_longstraw.models.registry import family_for
+    from megatron_longstraw.testing.parity import tp_grad_errors
 
     torch.set_num_threads(1)  # two ranks on a small CPU
     init_distributed(ParallelSizes(tensor=2), seed=1234)
-    rank = torch.distributed.get_rank()
     results = {}
     for preset, hf in hfs.items():
         out, model = _run_cases(hf)
-        family = family_for(hf["model_type"])
         results[preset] = dict(cases=out["cases"])
         for key in ("grads", "full_grads"):
             reference = references[preset][key]
             assert set(out[key]) == set(reference), "sequence parallelism changed which parameters get gradients"
-            worst = {}
-            for name, param in model.named_parameters():
-                if name not in reference:
-                    continue
-                expected = reference[name]
-                if getattr(param, "tensor_model_parallel", False):
-                    expected = shard_for_rank(expected, param.partition_dim, rank, 2,
-                                              family.tp_sections(name, model.config))
-                scale = expected.abs().max().clamp_min(1e-30)
-                worst[name] = ((out[key][name] - expected).abs().max() / scale).item()
-            results[preset]["worst_" + key] = worst
+            results[preset]["worst_" + key] = tp_grad_errors(model, out[key], reference, scale_floor=1e-30)
     return results
 
 

@@ -86,6 +86,13 @@ def _host_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_dec
         grad.detach().mul_(clip_coeff)
 
 
+def use_cpu_torch(modules, cpu: bool = True) -> None:
+    """Give ``modules`` the CPU ``torch`` (``cpu=False``: the real one back)."""
+    proxy = _CpuFactoryTorch() if cpu else torch
+    for module in modules:
+        module.torch = proxy
+
+
 def needed() -> bool:
     """True when this process has no usable GPU."""
     return not torch.cuda.is_available()
@@ -93,14 +100,11 @@ def needed() -> bool:
 
 def apply() -> None:
     """Give Megatron's optimizer and grad-buffer modules the CPU ``torch``."""
-    proxy = _CpuFactoryTorch()
-    for module in _MODULES:
-        module.torch = proxy
+    use_cpu_torch(_MODULES)
     optimizer_module.clip_grad_by_total_norm_fp32 = _host_clip_grad_by_total_norm_fp32
 
 
 def revert() -> None:
     """Give them the real ``torch`` back."""
-    for module in _MODULES:
-        module.torch = torch
+    use_cpu_torch(_MODULES, cpu=False)
     optimizer_module.clip_grad_by_total_norm_fp32 = _ORIGINAL_CLIP

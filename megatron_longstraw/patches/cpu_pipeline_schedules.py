@@ -7,27 +7,19 @@ everything else is the real ``torch``), ``get_forward_backward_func()``'s schedu
 so pipeline-parallel capture/replay is tested on CPU (``tests/test_pipeline_parallel.py``).
 """
 
-import torch
 from megatron.core.pipeline_parallel import p2p_communication, schedules
 
-from megatron_longstraw.patches.cpu_optimizer_device import _CpuFactoryTorch
+from megatron_longstraw.patches.cpu_optimizer_device import needed, use_cpu_torch
 
 _MODULES = (schedules, p2p_communication)
-
-
-def needed() -> bool:
-    """True when this process has no usable GPU."""
-    return not torch.cuda.is_available()
+__all__ = ["needed", "apply", "revert"]  # needed(): no usable GPU, as cpu_optimizer_device
 
 
 def apply() -> None:
     """Give the schedule and p2p modules the CPU ``torch``."""
-    proxy = _CpuFactoryTorch()
-    for module in _MODULES:
-        module.torch = proxy
+    use_cpu_torch(_MODULES)
 
 
 def revert() -> None:
     """Give them the real ``torch`` back."""
-    for module in _MODULES:
-        module.torch = torch
+    use_cpu_torch(_MODULES, cpu=False)

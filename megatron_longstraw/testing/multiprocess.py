@@ -31,6 +31,15 @@ def _worker(rank, world_size, port, fn, args, queue):
         destroy_distributed()
 
 
+def with_sizes(sizes, fn, *args):
+    """A rank's body for ``run_multiprocess``: Megatron's parallel state at ``sizes``
+    (``ParallelSizes``, seed 1234), then ``fn(*args)``."""
+    from megatron_longstraw.distributed import init_distributed
+
+    init_distributed(sizes, seed=1234)
+    return fn(*args)
+
+
 def run_multiprocess(fn, world_size: int, *args, timeout: float = 600.0) -> list:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks; returns results in rank order.
 

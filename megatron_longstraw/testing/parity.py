@@ -124,21 +124,35 @@ def reduce_tp_grads(model) -> None:
     finalize._allreduce_non_tensor_model_parallel_grads([model], model.config)
 
 
-def tp_worker(hf: dict, tokens_BS, tp: int, reference_grads: dict, dtype=torch.float32):
-    """Run on each rank: TP=``tp`` logits plus the worst gradient error against TP=1 shards."""
-    init_distributed(ParallelSizes(tensor=tp), seed=1234)
-    logits, grads, model = logits_and_grads(hf, tokens_BS, dtype=dtype)
-    family = family_for(hf["model_type"])
-    rank = torch.distributed.get_rank()
-    worst = 0.0
-    assert set(grads) == set(reference_grads), "TP changed which parameters get gradients"
+def tp_grad_errors(model, grads: dict, reference_grads: dict, scale_floor: float = 1e-12) -> dict[str, float]:
+    """Per parameter in ``grads``: max |grad - this TP rank's shard of the TP=1 gradient|, relative
+    to that shard's largest entry (at least ``scale_floor``)."""
+    family = family_for(model.hf_config["model_type"])
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    errors = {}
     for name, param in model.named_parameters():
         if name not in grads:
             continue
         expected = reference_grads[name]
         if getattr(param, "tensor_model_parallel", False):
-            expected = shard_for_rank(expected, param.partition_dim, rank, tp,
-                                      family.tp_sections(name, model.config))
-        scale = expected.abs().max().clamp_min(1e-12)
-        worst = max(worst, ((grads[name] - expected).abs().max() / scale).item())
-    return logits, worst
+            expected = shard_for_rank(expected, param.partition_dim, rank, tp, family.tp_sections(name, model.config))
+        scale = expected.abs().max().clamp_min(scale_floor)
+        errors[name] = ((grads[name] - expected).abs().max() / scale).item()
+    return errors
+
+
+def assert_grads_match(got: dict, want: dict, bound: float, label: str = "") -> None:
+    """The same parameters have gradients, each within ``bound`` (``max_rel_error``) of ``want``."""
+    assert set(got) == set(want), f"{label}: parameters with gradients differ"
+    for name, ref in want.items():
+        rel = max_rel_error(got[name], ref)
+        assert rel <= bound, f"{label} {name}: relative gradient error {rel}"
+
+
+def tp_worker(hf: dict, tokens_BS, tp: int, reference_grads: dict, dtype=torch.float32):
+    """Run on each rank: TP=``tp`` logits plus the worst gradient error against TP=1 shards."""
+    init_distributed(ParallelSizes(tensor=tp), seed=1234)
+    logits, grads, model = logits_and_grads(hf, tokens_BS, dtype=dtype)
+    assert set(grads) == set(reference_grads), "TP changed which parameters get gradients"
+    return logits, max(tp_grad_errors(model, grads, reference_grads).values())

@@ -6,7 +6,8 @@ two seeded random projections (the 0.75B gradients themselves stay on the GPUs).
 import pytest
 import torch
 
-from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
+from megatron_longstraw.distributed import ParallelSizes
+from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess, with_sizes
 from megatron_longstraw.testing.parity import grad_projections
 
 pytestmark = [pytest.mark.gpu,
@@ -46,17 +47,10 @@ def _run():
     return dict(logits=logits, gdn=gdn, grads=grad_projections(model))
 
 
-def _cp_worker():
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
-
-    init_distributed(ParallelSizes(context=2), seed=1234)
-    return _run()
-
-
 def test_cp2_matches_cp1_bf16_on_two_gpus(record_property):
     reference = on_one_rank(_run)
     torch.cuda.empty_cache()
-    ranks = run_multiprocess(_cp_worker, 2)
+    ranks = run_multiprocess(with_sizes, 2, ParallelSizes(context=2), _run)
     scale = reference["logits"].abs().max()
     errors = {"logits": 0.0, "gdn": 0.0, "grads": 0.0}
     for run in ranks:

@@ -6,7 +6,8 @@ tolerance, and each stage's peak memory."""
 import pytest
 import torch
 
-from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
+from megatron_longstraw.distributed import ParallelSizes
+from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess, with_sizes
 from megatron_longstraw.testing.parity import grad_projections, pipeline_global_names
 
 pytestmark = [pytest.mark.gpu,
@@ -40,17 +41,10 @@ def _run():
     return dict(losses=losses, grads=grads, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
 
 
-def _pp_worker():
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
-
-    init_distributed(ParallelSizes(pipeline=2), seed=1234)
-    return _run()
-
-
 def test_pp2_matches_pp1_bf16_on_two_gpus(record_property):
     reference = on_one_rank(_run)
     torch.cuda.empty_cache()
-    stages = run_multiprocess(_pp_worker, 2)
+    stages = run_multiprocess(with_sizes, 2, ParallelSizes(pipeline=2), _run)
     losses = [stage["losses"] for stage in stages if stage["losses"]][0]
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"]))
     grads = {name: g for stage in stages for name, g in stage["grads"].items()}
