@@ -11,6 +11,7 @@
 #       bash scripts/gpu_host.sh bench-cp N [bench args ...]   (N GPUs, context parallel size N)
 #       bash scripts/gpu_host.sh train [train_grpo.py args ...]
 #       bash scripts/gpu_host.sh train-sweep "COMMON ARGS" NAME "ARGS" [NAME "ARGS" ...]
+#       bash scripts/gpu_host.sh train-reshard "COMMON ARGS" "FIRST LAYOUT" "RESUMED LAYOUT"
 # Transformer Engine (../shared/offline-gpu/fetch-te.sh makes .te-1 ... .te-6 here): one call per
 # piece while the machine stays warm, carrying .te-N alone (each is up to 56 MiB):
 #       bash scripts/gpu_host.sh te-piece          (carry .te-1, then .te-2, ... .te-5)
@@ -23,6 +24,9 @@
 # `bench-with-tests` runs the GPU test tier in the background while the benchmark runs: the
 # benchmark's times are then upper bounds (use it for thresholds, not for ratios).
 # `train` runs train_grpo.py into $OUT/train (metrics.jsonl and learning_curve.png).
+# `train-reshard` runs train_grpo.py under torchrun on every GPU with the first layout's parallel
+# args (e.g. "--tensor-model-parallel-size 2") for --train-iters steps with a checkpoint, then
+# resumes it with the second layout for two more steps (Megatron's checkpoints reshard).
 # `train-sweep` runs several train_grpo.py side by side (common args + each NAME's args), spread
 # round-robin over the visible GPUs, plots each, prints a table, and returns $OUT/train-sweep.tgz
 # (train-NAME/metrics.jsonl, log.txt, learning_curve.png).
@@ -84,7 +88,10 @@ gpu_tests() {  # pytest args; junit XML and log into $out, then the table
   local ngpu spread=()
   ngpu=$(nvidia-smi -L | wc -l)
   # several GPUs: one pytest-xdist worker per GPU (tests/conftest.py pins each worker's GPU)
-  if [ "$ngpu" -gt 1 ]; then spread=(-n "$ngpu" --dist loadfile); export LONGSTRAW_TEST_GPUS=$ngpu; fi
+  # (GPU_TESTS_SPREAD=0: one process that sees every GPU, for the tests that need two)
+  if [ "$ngpu" -gt 1 ] && [ "${GPU_TESTS_SPREAD:-1}" = 1 ]; then
+    spread=(-n "$ngpu" --dist loadfile); export LONGSTRAW_TEST_GPUS=$ngpu
+  fi
   set +e
   timeout "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=15 "${spread[@]}" \
     --junitxml="$out/gpu-tests.xml" tests/gpu "$@" >"$out/gpu-tests.log" 2>&1
@@ -142,6 +149,24 @@ case "${1:-}" in
     # a device call returns at most 8 files: the runs' metrics, logs and plots travel as one archive
     (cd "$out" && tar czf train-sweep.tgz train-*/metrics.jsonl train-*/log.txt train-*/learning_curve.png \
       && rm -rf train-*/) || true ;;
+  train-reshard)
+    shift; prepare
+    common=${1:?usage: train-reshard "COMMON ARGS" "FIRST LAYOUT" "RESUMED LAYOUT"} first=$2 resumed=$3
+    ngpu=$(nvidia-smi -L | wc -l); ckpt=/tmp/reshard-ckpt; rm -rf $ckpt; mkdir -p "$out/reshard"
+    iters=$(echo "$common" | sed -n 's/.*--train-iters \([0-9]*\).*/\1/p')
+    set +e
+    # shellcheck disable=SC2086  # the args are word lists on purpose
+    timeout "$limit" python3 -m torch.distributed.run --nproc_per_node "$ngpu" train_grpo.py $common $first \
+      --save $ckpt --save-interval "$iters" --wandb-save-dir "$out/reshard/first" --log-interval 1 \
+      2>&1 | grep -v -i "warn\|deprecated" | grep -E "^step|Error|error|saved|iteration" | tail -n 20
+    # shellcheck disable=SC2086
+    timeout "$limit" python3 -m torch.distributed.run --nproc_per_node "$ngpu" train_grpo.py \
+      ${common/--train-iters $iters/--train-iters $((iters + 2))} $resumed --load $ckpt --no-save \
+      --wandb-save-dir "$out/reshard/resumed" --log-interval 1 \
+      2>&1 | grep -v -i "warn\|deprecated" | grep -E "^step|Error|error|load|iteration" | tail -n 20
+    status=${PIPESTATUS[0]}
+    set -e
+    exit "$status" ;;
   train)
     shift; prepare
     mkdir -p "$out/train"
@@ -153,6 +178,6 @@ case "${1:-}" in
     python3 tools/plot_metrics.py "$out/train/metrics.jsonl" --keys reward/mean,entropy/mean \
       --output "$out/train/learning_curve.png" --title "train_grpo.py $*" || true
     exit "$status" ;;
-  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | te-piece | te-build | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | train [args] | train-sweep COMMON NAME ARGS ..." >&2
+  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | te-piece | te-build | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | train [args] | train-sweep COMMON NAME ARGS ... | train-reshard COMMON FIRST RESUMED" >&2
      exit 2 ;;
 esac

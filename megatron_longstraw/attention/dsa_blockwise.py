@@ -235,6 +235,16 @@ def _attend_block(firsts, scale, v_channels, query_QBNW, topk_BQK, *pages):
     return torch.einsum("bqnk,bqkc->qbnc", probs_BQNK, keys_BQKW[..., :v_channels])
 
 
+def _fused_attention(query_SBNW: torch.Tensor, pages, v_channels: int):
+    """The forward-only Triton kernel (``sparse_mla_triton``) when it takes these inputs (CUDA,
+    bf16/fp16, no autograd wanted: the capture), else None."""
+    if not query_SBNW.is_cuda or len(pages) > 2:
+        return None
+    from megatron_longstraw.attention import sparse_mla_triton
+
+    return sparse_mla_triton if sparse_mla_triton.supported(query_SBNW, pages, v_channels) else None
+
+
 def sparse_latent_attention(query_SBNW: torch.Tensor, segments, topk_BSK: torch.Tensor, scale: float,
                             v_channels: int) -> torch.Tensor:
     """Absorbed-MLA sparse attention ``[s, b, heads, v_channels]`` (before the V up projection)
@@ -242,11 +252,17 @@ def sparse_latent_attention(query_SBNW: torch.Tensor, segments, topk_BSK: torch.
 
     ``segments``: ``[(latent pages [t, 1 or b, w], first position), ...]``; ``topk_BSK`` holds
     positions (``-1``: none). Every query must have at least one selected key (it sees itself).
+    Without autograd on CUDA, one or two adjacent segments run in the fused Triton kernel.
     """
     seq, batch, heads, width = query_SBNW.shape
     picks = topk_BSK.shape[-1]
     rows = max(1, GATHER_ELEMENTS // max(1, batch * picks * (width + heads)))
     pages = [p for p, _ in segments]
+    adjacent = all(a[1] + a[0].shape[0] == b[1] for a, b in zip(segments, segments[1:]))
+    fused = _fused_attention(query_SBNW, pages, v_channels) if adjacent else None
+    if fused:
+        local_BSK = torch.where(topk_BSK >= 0, topk_BSK - segments[0][1], -1)
+        return fused.sparse_latent_forward(query_SBNW, pages, local_BSK, scale, v_channels)[0].to(pages[0].dtype)
     block = functools.partial(_attend_block, tuple(first for _, first in segments), scale, v_channels)
     grad = torch.is_grad_enabled() and (query_SBNW.requires_grad or any(p.requires_grad for p in pages))
     outs = []
@@ -259,13 +275,18 @@ def sparse_latent_attention(query_SBNW: torch.Tensor, segments, topk_BSK: torch.
 _MASKED = -1e30  # finite: a row with no selected key in a part keeps finite gradients (weight 0)
 
 
+def _local_rows(positions_T: torch.Tensor, topk_BSK: torch.Tensor):
+    """``(rows, here)``: the page row of each pick (found by position in the ascending
+    ``positions_T``; clamped where absent) and whether the pick lives in these pages."""
+    rows = torch.searchsorted(positions_T, topk_BSK.clamp_min(0)).clamp_max(positions_T.numel() - 1)
+    return rows, (positions_T[rows] == topk_BSK) & (topk_BSK >= 0)
+
+
 def _partial_block(scale, v_channels, query_QBNW, topk_BQK, pages_TBW, positions_T):
     """``(out [q, b, n, v], lse [q, b, n])`` of a query block over its selected keys among
     ``pages`` (at ascending ``positions_T``); picks elsewhere are masked."""
     compute = torch.promote_types(query_QBNW.dtype, torch.float32)
-    batch, rows, picks = topk_BQK.shape
-    index = torch.searchsorted(positions_T, topk_BQK.clamp_min(0)).clamp_max(positions_T.numel() - 1)
-    here = (positions_T[index] == topk_BQK) & (topk_BQK >= 0)
+    index, here = _local_rows(positions_T, topk_BQK)
     keys_BQKW = _gather_keys([(pages_TBW, 0)], index).to(compute)
     scores_BQNK = torch.einsum("qbnw,bqkw->bqnk", query_QBNW.to(compute), keys_BQKW) * scale
     scores_BQNK = scores_BQNK.masked_fill(~here[:, :, None, :], _MASKED)
@@ -287,6 +308,10 @@ def sparse_latent_partial(query_SBNW: torch.Tensor, pages_TBW: torch.Tensor, pos
         # still a function of the queries: every CP rank must take part in the backward all-reduce
         out = query_SBNW.new_zeros(seq, batch, heads, v_channels, dtype=compute) + 0 * query_SBNW[..., :1]
         return out, torch.full((seq, batch, heads), _MASKED, dtype=compute, device=query_SBNW.device)
+    fused = _fused_attention(query_SBNW, [pages_TBW], v_channels)
+    if fused:
+        index, here = _local_rows(positions_T, topk_BSK)
+        return fused.sparse_latent_forward(query_SBNW, [pages_TBW], torch.where(here, index, -1), scale, v_channels)
     picks = topk_BSK.shape[-1]
     rows = max(1, GATHER_ELEMENTS // max(1, batch * picks * (width + heads)))
     block = functools.partial(_partial_block, scale, v_channels)

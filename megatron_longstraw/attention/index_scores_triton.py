@@ -9,9 +9,17 @@ without its ``[queries, heads, keys]`` fp32 intermediate. Products run on the te
 in Triton's CPU interpreter; ``tests/gpu`` on the GPU).
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# Triton's CPU interpreter (the CPU tier) runs one fixed tile; on a GPU the first call per
+# (heads, dim, relu) times these tiles and keeps the fastest.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_TILES = [triton.Config({"BLOCK_Q": q, "BLOCK_T": t}, num_warps=w)
+          for q, t, w in ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8))]
 
 
 @triton.jit
@@ -38,6 +46,10 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, n_queries, n_keys, query_
     tl.store(out_ptr + rows[:, None] * stride_os + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
+_kernel = _index_scores_kernel if INTERPRETED else triton.autotune(_TILES, key=["HEADS", "DIM", "RELU"])(
+    _index_scores_kernel)
+
+
 def supported(q_SBHD: torch.Tensor, keys_TBD: torch.Tensor) -> bool:
     """Whether the kernel takes these inputs: CUDA, bf16/fp16, head dim a power of two >= 16."""
     dim = q_SBHD.shape[-1]
@@ -52,13 +64,12 @@ def index_scores(q_SBHD: torch.Tensor, weights_SBH: torch.Tensor, keys_TBD: torc
     seq, batch, heads, dim = q_SBHD.shape
     keys = keys_TBD.shape[0]
     out = torch.empty(batch, seq, keys, dtype=torch.float32, device=q_SBHD.device)
-    block_q, block_t = 64, 64
-    grid = (triton.cdiv(seq, block_q), triton.cdiv(keys, block_t))
+    tile = dict(BLOCK_Q=64, BLOCK_T=64) if INTERPRETED else {}
+    grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_Q"]), triton.cdiv(keys, meta["BLOCK_T"]))  # noqa: E731
     for b in range(batch):
         q = q_SBHD[:, b].contiguous()
         w = weights_SBH[:, b].contiguous()
         k = keys_TBD[:, b if keys_TBD.shape[1] > 1 else 0].contiguous()
-        _index_scores_kernel[grid](q, w, k, out[b], seq, keys, query_start, key_start,
-                                   q.stride(0), q.stride(1), w.stride(0), k.stride(0), out.stride(1),
-                                   HEADS=heads, DIM=dim, BLOCK_Q=block_q, BLOCK_T=block_t, RELU=use_relu)
+        _kernel[grid](q, w, k, out[b], seq, keys, query_start, key_start, q.stride(0), q.stride(1), w.stride(0),
+                      k.stride(0), out.stride(1), HEADS=heads, DIM=dim, RELU=use_relu, **tile)
     return out

@@ -71,3 +71,89 @@ def test_glm_capture_replay_bf16_matches_full_forward(single_process, monkeypatc
     replay_error = ((replayed - truth).abs().max() / scale).item()
     record_property("rel_err_full_replay", f"{full_error:.1e},{replay_error:.1e}")
     assert replay_error <= max(2 * full_error, 2e-2)
+
+
+def _sparse_inputs(prefix: int, seq: int, picks: int, heads: int = 16, rank: int = 512, rope: int = 64):
+    """bf16 absorbed queries, prompt pages and own latents at GLM-5's MLA width, and a top-k of
+    ``picks`` random visible positions per query (itself included)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    query = torch.randn(seq, 1, heads, rank + rope, device="cuda", generator=gen).bfloat16()
+    pages = torch.randn(prefix, 1, rank + rope, device="cuda", generator=gen).bfloat16()
+    own = torch.randn(seq, 1, rank + rope, device="cuda", generator=gen).bfloat16()
+    visible = torch.arange(prefix + 1, prefix + seq + 1, device="cuda")
+    noise = torch.rand(1, seq, prefix + seq, device="cuda", generator=gen)
+    noise = noise.masked_fill(torch.arange(prefix + seq, device="cuda")[None, None, :] >= visible[None, :, None], -1)
+    topk = noise.topk(picks, dim=-1).indices
+    topk[..., 0] = prefix + torch.arange(seq, device="cuda")
+    return query, pages, own, topk
+
+
+def _timed(fn, repeats: int = 3) -> tuple[torch.Tensor, float]:
+    out = fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        out = fn()
+    end.record()
+    torch.cuda.synchronize()
+    return out, start.elapsed_time(end) / repeats / 1e3
+
+
+def test_sparse_mla_kernel_matches_torch_path_bf16(monkeypatch, record_property):
+    """GLM-5's MLA shape (16 heads, 512 + 64 latent, 2,048 picks over 20K keys): the Triton
+    forward kernel against the torch path (both bf16), each against the fp32 torch path; the
+    CP partial (out, lse) against the torch partial. Times both (reported, not asserted)."""
+    from megatron_longstraw.attention import sparse_mla_triton
+    from megatron_longstraw.attention.dsa_blockwise import sparse_latent_attention, sparse_latent_partial
+
+    query, pages, own, topk = _sparse_inputs(18000, 2000, 2048)
+    segments = [(pages, 0), (own, 18000)]
+    with torch.no_grad():
+        assert sparse_mla_triton.supported(query, [pages, own], 512)
+        truth = sparse_latent_attention(query.float(), [(p.float(), f) for p, f in segments], topk, 0.07, 512)
+        fused, fused_s = _timed(lambda: sparse_latent_attention(query, segments, topk, 0.07, 512))
+        monkeypatch.setattr(dsa_blockwise, "_fused_attention", lambda *args: None)
+        torch_out, torch_s = _timed(lambda: sparse_latent_attention(query, segments, topk, 0.07, 512))
+        positions = torch.arange(18000, device="cuda") * 2
+        torch_part = sparse_latent_partial(query, pages, positions, topk * 2, 0.07, 512)
+        monkeypatch.undo()
+        fused_part = sparse_latent_partial(query, pages, positions, topk * 2, 0.07, 512)
+    scale = truth.abs().max()
+    fused_error = ((fused.float() - truth).abs().max() / scale).item()
+    torch_error = ((torch_out.float() - truth).abs().max() / scale).item()
+    record_property("rel_err_fused_torch", f"{fused_error:.1e},{torch_error:.1e}")
+    record_property("seconds_fused_torch", f"{fused_s:.4f},{torch_s:.4f}")
+    assert fused_error <= max(2 * torch_error, 1e-2)
+    seen = torch_part[1] > -1e29
+    assert torch.equal(seen, fused_part[1] > -1e29) and seen.any() and (~seen).any()
+    part_error = ((fused_part[0] - torch_part[0])[seen].abs().max() / torch_part[0][seen].abs().max()).item()
+    assert part_error <= 1e-2 and (fused_part[1] - torch_part[1])[seen].abs().max().item() <= 1e-2
+
+
+def test_glm_capture_with_fused_sparse_mla_matches_full_forward(single_process, monkeypatch, record_property):
+    """GLM-5 tiny with a latent the kernel takes (kv_lora_rank 32, RoPE 16): capture and replay
+    logits (no autograd: the fused kernel runs, counted) against the fp32 full forward, as
+    accurate as the bf16 full forward."""
+    from megatron_longstraw.attention import sparse_mla_triton
+
+    monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", 64)
+    hf, model, model32 = bf16_and_fp32_models("glm-5-debug", kv_lora_rank=32, qk_rope_head_dim=16)
+    calls = []
+    forward = sparse_mla_triton.sparse_latent_forward
+    monkeypatch.setattr(sparse_mla_triton, "sparse_latent_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prompt = torch.randint(0, hf["vocab_size"], (1, 700), device="cuda", generator=gen)
+    response = torch.randint(0, hf["vocab_size"], (1, 90), device="cuda", generator=gen)
+    sequence = torch.cat([prompt, response], 1)
+    with torch.no_grad():
+        truth = forward_logits(model32, sequence)[0, 699:-1]
+        full = forward_logits(model, sequence)[0, 699:-1].float()
+        replayed = replay_logits(model, capture_prompt(model, prompt, 256), response)[:, 0].float()
+    assert calls
+    scale = truth.abs().max()
+    full_error = ((full - truth).abs().max() / scale).item()
+    replay_error = ((replayed - truth).abs().max() / scale).item()
+    record_property("rel_err_full_replay", f"{full_error:.1e},{replay_error:.1e}")
+    assert replay_error <= max(2 * full_error, 2e-2)
