@@ -53,6 +53,34 @@ def _run_cases(hf):
     return out
 
 
+def _gdn_shard_errors(model, group):
+    """One Gated DeltaNet layer's capture of a 23-token chunk split 12 | 11 over the CP ranks
+    against its kernel over the whole chunk, from the same start state, with O(1) inputs (in
+    the debug model the state's share of the output is small): relative errors of this rank's
+    output rows and of the final state."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_longstraw.models.gated_delta_net import LongStrawGatedDeltaNet
+
+    layer = next(m for m in model.modules() if isinstance(m, LongStrawGatedDeltaNet))
+    gen = torch.Generator().manual_seed(5)
+    seq, heads, dim_k, dim_v = 23, 2, 16, 8
+    query, key = (torch.nn.functional.normalize(torch.randn(1, seq, heads, dim_k, generator=gen), dim=-1)
+                  for _ in range(2))
+    value = torch.randn(1, seq, heads, dim_v, generator=gen)
+    g, beta = -0.1 * torch.rand(1, seq, heads, generator=gen), torch.rand(1, seq, heads, generator=gen)
+    start = torch.randn(1, heads, dim_k, dim_v, generator=gen)
+    want, want_final = layer.gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=start.clone(),
+                                              output_final_state=True, use_qk_l2norm_in_kernel=False)
+    rows = slice(0, 12) if dist.get_rank(group) == 0 else slice(12, seq)
+    got, final = layer._capture_cp_delta_rule(query[:, rows], key[:, rows], value[:, rows], g[:, rows],
+                                              beta[:, rows], SimpleNamespace(recurrent_BHKV=start), group)
+    return (((got - want[:, rows]).abs().max() / want[:, rows].abs().max()).item(),
+            ((final - want_final).abs().max() / want_final.abs().max()).item())
+
+
 def _cp_worker(hf):
     from megatron.core import parallel_state
 
@@ -68,6 +96,7 @@ def _cp_worker(hf):
     out = _run_cases(hf)
     out["cp_rank"] = parallel_state.get_context_parallel_rank()
     model = seeded_model(hf, torch.float32)
+    out["gdn_shards"] = _gdn_shard_errors(model, parallel_state.get_context_parallel_group())
     prompt = random_tokens(hf, 9, 0)
     out["bad"] = {
         "chunk": value_error_text(lambda: capture_prompt(model, prompt, 1)),
@@ -133,6 +162,15 @@ def test_cp2_replay_gradients_match_cp1(runs):
     for rank, run in enumerate(ranks):
         assert_grads_match(run["grads"], reference["grads"], 1e-5, f"rank {rank}")
     assert all(ref.abs().max() > 0 for ref in reference["grads"].values())
+
+
+def test_cp2_gated_deltanet_shards_match_one_pass(runs):
+    """The exact cross-shard recurrence: each rank's output rows and the final state equal one
+    kernel pass over the whole chunk from the same (non-zero) start state."""
+    _, ranks = runs
+    for rank, run in enumerate(ranks):
+        out_error, state_error = run["gdn_shards"]
+        assert out_error <= 1e-5 and state_error <= 1e-5, (rank, out_error, state_error)
 
 
 def test_cp2_bad_input_names_flag_or_layer_kind(runs):

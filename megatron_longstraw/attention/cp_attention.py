@@ -47,20 +47,6 @@ def cp_merge(out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, group) -> tuple[torc
     return packed[..., :-1] / total_BHS[..., None], max_BHS + total_BHS.log()
 
 
-def _masked_part(q_BHSD, k_BGTD, v_BGTD, visible_ST, scale):
-    """fp32 (fp64 for fp64) output and log-sum-exp over the visible keys; rows without any
-    visible key get ``out = 0, lse = -inf``."""
-    heads, groups = q_BHSD.shape[1], k_BGTD.shape[1]
-    compute = torch.promote_types(q_BHSD.dtype, torch.float32)
-    k_BHTD = k_BGTD.to(compute).repeat_interleave(heads // groups, dim=1)
-    v_BHTD = v_BGTD.to(compute).repeat_interleave(heads // groups, dim=1)
-    scores = (q_BHSD.to(compute) @ k_BHTD.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~visible_ST, float("-inf"))
-    lse_BHS = scores.logsumexp(-1)
-    safe_BHS = torch.where(torch.isfinite(lse_BHS), lse_BHS, torch.zeros_like(lse_BHS))
-    return (scores - safe_BHS[..., None]).exp() @ v_BHTD, lse_BHS
-
-
 @torch.no_grad()
 def cp_capture_attention(q_SBHD, k_SBGD, v_SBGD, pages_k_SBGD, pages_v_SBGD,
                          shard_sizes: tuple[int, ...], scale: Optional[float], group) -> torch.Tensor:
@@ -73,16 +59,27 @@ def cp_capture_attention(q_SBHD, k_SBGD, v_SBGD, pages_k_SBGD, pages_v_SBGD,
         raise ValueError(f"context-parallel capture needs a prompt batch of 1, got {batch}")
     scale = dim ** -0.5 if scale is None else scale
     start = sum(shard_sizes[:rank])
-    chunk = sum(shard_sizes)
+    end = start + seq
     q_all_SBHD = torch.cat(all_gather_rows(q_SBHD, shard_sizes, group))
     q_BHSD = q_all_SBHD.permute(1, 2, 0, 3).contiguous()
-    # own shard of the chunk's keys: chunk query i sees key start + t iff start + t <= i
-    visible_ST = (torch.arange(chunk, device=q_SBHD.device)[:, None]
-                  >= start + torch.arange(seq, device=q_SBHD.device)[None, :])
-    acc_BHSD, lse_BHS = _masked_part(q_BHSD, k_SBGD.permute(1, 2, 0, 3), v_SBGD.permute(1, 2, 0, 3),
-                                     visible_ST, scale)
+    backend, block = _kernel_settings(q_SBHD)
+    compute = torch.promote_types(q_SBHD.dtype, torch.float32)
+    acc_BHSD = q_BHSD.new_zeros(q_BHSD.shape, dtype=compute)
+    lse_BHS = torch.full(q_BHSD.shape[:3], float("-inf"), dtype=compute, device=q_SBHD.device)
+    # own shard of the chunk's keys: the chunk's queries before it see none of them, its own
+    # queries see them causally, the later ones see all of them
+    if seq > 0:
+        k_1GTD, v_1GTD = k_SBGD.permute(1, 2, 0, 3), v_SBGD.permute(1, 2, 0, 3)
+        per_group = heads // k_1GTD.shape[1]
+        out, lse, _ = _forward(backend, q_BHSD[:, :, start:end].contiguous(),
+                               k_1GTD.repeat_interleave(per_group, dim=1).contiguous(),
+                               v_1GTD.repeat_interleave(per_group, dim=1).contiguous(), True, scale)
+        acc_BHSD[:, :, start:end], lse_BHS[:, :, start:end] = out, lse
+        if end < q_BHSD.shape[2]:
+            acc_BHSD[:, :, end:], lse_BHS[:, :, end:], _, _ = merge_prefix_blocks(
+                backend, block, q_BHSD[:, :, end:].contiguous(), k_1GTD, v_1GTD, scale,
+                acc_BHSD[:, :, end:].contiguous(), lse_BHS[:, :, end:].contiguous())
     if pages_k_SBGD.shape[0] > 0:
-        backend, block = _kernel_settings(q_SBHD)
         acc_BHSD, lse_BHS, _, _ = merge_prefix_blocks(
             backend, block, q_BHSD, pages_k_SBGD.permute(1, 2, 0, 3), pages_v_SBGD.permute(1, 2, 0, 3),
             scale, acc_BHSD, lse_BHS)

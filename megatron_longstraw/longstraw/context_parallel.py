@@ -29,12 +29,13 @@ Per layer kind:
   merge, so they count once. The prompt pages stay shared by the samples, never copied.
 - Gated DeltaNet (``models/gated_delta_net.py``). The delta rule is linear in the state:
   over a shard, ``S_end = A S_start + B`` with ``A`` ``[d_k, d_k]`` per head. One kernel call from
-  the state ``[0 | I]`` with values ``[v | 0]`` yields ``B`` and ``A`` (final state) and, per
-  token, the zero-start output plus ``w_t = scale A_t^T q_t``, so the exact output is
-  ``o_t + S_start^T w_t``. Ranks all-gather ``(A, B)`` and fold them in rank order from the
-  chunk's start state: every rank gets its shard's start state and the same final state, which
-  is therefore replicated on every CP rank (it is small: ``heads x d_k x d_v``). The conv tail
-  is handed on the same way (all-gather of each shard's last ``kernel - 1`` inputs). Decode is
+  the state ``[0 | I]`` with values ``[v | 0]`` yields ``[B | A]`` as its final state. Ranks
+  all-gather ``(A, B)`` and fold them in rank order (fp32) from the chunk's start state: every
+  rank gets its shard's start state and the same final state, which is therefore replicated on
+  every CP rank (it is small: ``heads x d_k x d_v``). A second, ordinary kernel call from the
+  shard's start state then gives the shard's output (the Gated DeltaNet kernels cost little next
+  to attention, and the output is the kernel's own rather than a correction rounded to bf16).
+  The conv tail is handed on the same way (all-gather of each shard's last ``kernel - 1`` inputs). Decode is
   unchanged: each sample's copy of the replicated state advances identically on every rank.
 
 Rollouts under CP (``rollout/generate.py``): the generated tokens are replicated over the CP

@@ -178,20 +178,23 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
 
     def _capture_cp_delta_rule(self, query, key, value, g, beta, state, cp_group):
         """The delta rule on this rank's shard of a chunk, exact across the CP shards (see the
-        module doc of ``longstraw/context_parallel.py``): one kernel call from ``[0 | I]`` with
-        values ``[v | 0]`` gives the zero-start output, ``w_t = scale A_t^T q_t``, and the shard's
-        transition ``[B | A]``; the start state from the fold corrects the output."""
+        module doc of ``longstraw/context_parallel.py``): a first kernel call from ``[0 | I]`` with
+        values ``[v | 0]`` gives the shard's transition ``[B | A]``; the fold gives this shard's
+        start state, from which a second, ordinary call computes the output (so the output is the
+        kernel's own, not a zero-start output plus a bf16-rounded correction)."""
         batch, _, heads, dim_k = key.shape
         dim_v = value.shape[-1]
         eye = torch.eye(dim_k, dtype=torch.float32, device=key.device)
         start_BHKX = torch.cat([key.new_zeros(batch, heads, dim_k, dim_v, dtype=torch.float32),
                                 eye.expand(batch, heads, dim_k, dim_k)], dim=-1).contiguous()
         value_aug = torch.cat([value, value.new_zeros(*value.shape[:-1], dim_k)], dim=-1)
-        out_aug, transition = self.gated_delta_rule(
+        _, transition = self.gated_delta_rule(
             query, key, value_aug, g=g, beta=beta, initial_state=start_BHKX,
             output_final_state=True, use_qk_l2norm_in_kernel=False,
         )
-        out0_BSHV, w_BSHK = out_aug.split([dim_v, dim_k], dim=-1)
         own_start, final = _capture_cp_recurrent(state.recurrent_BHKV, transition, dim_v, cp_group)
-        correction = torch.einsum("bhkv,bshk->bshv", own_start, w_BSHK.to(own_start.dtype))
-        return (out0_BSHV.to(own_start.dtype) + correction).to(out0_BSHV.dtype), final
+        core_out, _ = self.gated_delta_rule(
+            query, key, value, g=g, beta=beta, initial_state=own_start.to(state.recurrent_BHKV.dtype).contiguous(),
+            output_final_state=False, use_qk_l2norm_in_kernel=False,
+        )
+        return core_out, final

@@ -18,6 +18,10 @@ def _free_port() -> int:
 def _worker(rank, world_size, port, fn, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if os.environ.get("LONGSTRAW_WORKER_STACKS_AFTER"):  # debugging a hang: every thread's stack to stderr
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["LONGSTRAW_WORKER_STACKS_AFTER"]), exit=True)
     try:
         # as bytes: tensors sent as shared-memory handles can outlive a rank that already exited
         buffer = io.BytesIO()
