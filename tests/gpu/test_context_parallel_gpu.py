@@ -1,7 +1,9 @@
 """GPU tier, two GPUs (NCCL, bf16, ``qwen3.5-0.8b``): LongStraw capture/replay with CP=2 against
 CP=1 on one GPU — response logits, the Gated DeltaNet state after the prompt and the replay
-gradients agree within bf16 tolerance: measured against the fp32 CP=1 run of the same weights,
-CP=2 in bf16 is as close as CP=1 in bf16 (at most twice its error, or a small floor).
+gradients agree within bf16 tolerance. The tolerance is measured, not assumed: CP changes only
+how the same exact math is partitioned and ordered, and so does the prompt chunk size, so CP=2
+may differ from CP=1 at most twice as much as CP=1 with one whole-prompt chunk differs from CP=1
+with the test's chunks (or a small floor).
 Gradients are compared through per-parameter norms and two seeded random projections (the 0.75B
 gradients themselves stay on the GPUs)."""
 
@@ -18,10 +20,9 @@ pytestmark = [pytest.mark.gpu,
 PROMPT, CHUNK, RESPONSES = 20_000, 8192, (1024, 777)  # uneven last chunk and shards
 
 
-def _run(truth: bool = False):
-    """Capture, replay logits, replay gradients of ``qwen3.5-0.8b`` in bf16 (seed-built weights,
-    broadcast from rank 0 so every CP rank holds the same); with ``truth`` also the same run in
-    fp32 with those (bf16-valued) weights."""
+def _run(chunks: tuple[int, ...] = (CHUNK,)):
+    """Per prompt chunk size: capture, replay logits, replay gradients of ``qwen3.5-0.8b`` in
+    bf16 (seed-built weights, broadcast from rank 0 so every CP rank holds the same)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -34,19 +35,14 @@ def _run(truth: bool = False):
     if parallel_state.get_context_parallel_world_size() > 1:
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-    results = {"bf16": _measure(hf, model)}
-    if truth:
-        model32 = build_model(hf, ModelOptions(params_dtype=torch.float32))
-        with torch.no_grad():
-            for p32, p in zip(model32.parameters(), model.parameters(), strict=True):
-                p32.copy_(p)
-        del model
-        torch.cuda.empty_cache()
-        results["fp32"] = _measure(hf, model32)
+    results = {}
+    for chunk in chunks:
+        model.zero_grad(set_to_none=True)
+        results[chunk] = _measure(hf, model, chunk)
     return results
 
 
-def _measure(hf, model):
+def _measure(hf, model, chunk: int):
     from megatron_longstraw.distributed import device
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
@@ -55,7 +51,7 @@ def _measure(hf, model):
     prompt = torch.randint(0, hf["vocab_size"], (1, PROMPT), device=device(), generator=gen)
     responses = [torch.randint(0, hf["vocab_size"], (n,), device=device(), generator=gen) for n in RESPONSES]
     with torch.no_grad():
-        state = capture_prompt(model, prompt, CHUNK)
+        state = capture_prompt(model, prompt, chunk)
         logits = replay_logits(model, state, responses[0][None])[:, 0].float().cpu()
     gdn = {name: s.tensors()["recurrent_BHKV"].float().cpu() for name, s in state.layers.items()
            if "recurrent_BHKV" in s.tensors()}
@@ -64,29 +60,29 @@ def _measure(hf, model):
     return dict(logits=logits, gdn=gdn, grads=grad_projections(model))
 
 
-def _errors(run, truth) -> dict:
-    """Largest relative errors of a run against the fp32 truth: logits (by their scale), Gated
-    DeltaNet states (by norm), gradient projections (by the gradient's norm)."""
-    errors = {"logits": ((run["logits"] - truth["logits"]).abs().max() / truth["logits"].abs().max()).item(),
-              "gdn": max(((run["gdn"][n] - ref).norm() / ref.norm()).item() for n, ref in truth["gdn"].items()),
+def _errors(run, reference) -> dict:
+    """Largest relative differences of two runs: logits (by their scale), Gated DeltaNet states
+    (by norm), gradient projections (by the gradient's norm)."""
+    errors = {"logits": ((run["logits"] - reference["logits"]).abs().max() / reference["logits"].abs().max()).item(),
+              "gdn": max(((run["gdn"][n] - ref).norm() / ref.norm()).item() for n, ref in reference["gdn"].items()),
               "grads": 0.0}
-    assert set(run["grads"]) == set(truth["grads"])
-    for name, ref in truth["grads"].items():
+    assert set(run["grads"]) == set(reference["grads"])
+    for name, ref in reference["grads"].items():
         error = ((run["grads"][name] - ref).abs().max() / ref[0].clamp_min(1e-12)).item()
         errors["grads"] = max(errors["grads"], error)
     return errors
 
 
 def test_cp2_matches_cp1_bf16_on_two_gpus(record_property):
-    reference = on_one_rank(_run, True)
+    reference = on_one_rank(_run, (CHUNK, PROMPT))
     torch.cuda.empty_cache()
     ranks = run_multiprocess(with_sizes, 2, ParallelSizes(context=2), _run)
-    cp1 = _errors(reference["bf16"], reference["fp32"])
-    floors = {"logits": 2e-2, "gdn": 2e-2, "grads": 5e-2}
-    figures = [f"cp1 {k} {cp1[k]:.1e}" for k in floors]
+    noise = _errors(reference[PROMPT], reference[CHUNK])  # one whole-prompt chunk vs the test's chunks
+    floors = {"logits": 1e-2, "gdn": 1e-2, "grads": 2e-2}
+    figures = [f"chunking {k} {noise[k]:.1e}" for k in floors]
     for rank, run in enumerate(ranks):
-        cp2 = _errors(run["bf16"], reference["fp32"])
+        cp2 = _errors(run[CHUNK], reference[CHUNK])
         figures += [f"cp2 rank{rank} {k} {cp2[k]:.1e}" for k in floors]
+        record_property("rel_err", ", ".join(figures))
         for key, floor in floors.items():
-            assert cp2[key] <= max(2 * cp1[key], floor), (rank, key, cp2[key], cp1[key])
-    record_property("rel_err_vs_fp32", ", ".join(figures))
+            assert cp2[key] <= max(2 * noise[key], floor), (rank, key, cp2[key], noise[key])
