@@ -3,6 +3,9 @@ through Megatron's pipeline schedule against PP=1 on one GPU — replay losses a
 gradients (norms and two seeded projections, as ``test_context_parallel_gpu``) within bf16
 tolerance, and each stage's peak memory."""
 
+import sys
+import time
+
 import pytest
 import torch
 
@@ -14,6 +17,15 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 
 PROMPT, CHUNK, RESPONSES = 20_000, 8192, (1024, 777)
+
+
+def _phase(name: str) -> None:
+    """Each rank's progress on stderr (``pytest -s``; a hang shows where it stopped)."""
+    from megatron.core import parallel_state
+
+    print(f"[pp test] pp={parallel_state.get_pipeline_model_parallel_world_size()} "
+          f"stage={parallel_state.get_pipeline_model_parallel_rank()} {name} at {time.perf_counter():.1f}",
+          file=sys.stderr, flush=True)
 
 
 def _run():
@@ -32,11 +44,14 @@ def _run():
     prompt = torch.randint(0, hf["vocab_size"], (1, PROMPT), device=device(), generator=gen)
     responses = [torch.randint(0, hf["vocab_size"], (n,), device=device(), generator=gen) for n in RESPONSES]
     torch.cuda.reset_peak_memory_stats()
+    _phase("built")
     with torch.no_grad():
         state = capture_prompt(model, prompt, CHUNK)
+    _phase("captured")
     total = sum(RESPONSES)
     losses = replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / total,
                               micro_batch_size=1)
+    _phase("replayed")
     grads = grad_projections(model, pipeline_global_names(model))
     return dict(losses=losses, grads=grads, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
 
