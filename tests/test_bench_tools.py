@@ -91,9 +91,11 @@ def test_glm_prompt_flops_terms():
     assert f(100) == full * 2 * heads * d * 100 * 101 / 2 + mla * (k * 100 - k * (k - 1) / 2)
 
 
-def test_bench_tool_under_context_parallelism(tmp_path):
+def test_bench_tool_under_context_and_pipeline_parallelism(tmp_path):
     """Two gloo ranks (torchrun): the benchmark runs LongStraw with the prompt sharded (CP column
-    2, per-rank state of half the pages), and refuses the full-graph mode under CP."""
+    2, per-rank state of half the pages), and refuses the full-graph mode under CP; with two
+    pipeline stages it replays through the schedule and reports each stage's floor (its own
+    layers: each below the one-stage floor)."""
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
             str(ROOT / "tools/bench_longstraw.py"), "--model", "qwen3.5-debug", "--context-parallel-size", "2",
             "--response-length", "8", "--prompt-chunk-size", "32", "--warmup-prompt-length", "0",
@@ -113,6 +115,13 @@ def test_bench_tool_under_context_parallelism(tmp_path):
     refused = subprocess.run(base + ["--prompt-lengths", "128", "--modes", "full"], capture_output=True, text=True,
                              timeout=300)
     assert refused.returncode != 0 and "--context-parallel-size 2: the full-graph mode" in refused.stderr
+    pipeline = [arg if arg != "--context-parallel-size" else "--pipeline-model-parallel-size" for arg in base]
+    subprocess.run([*pipeline[:-1], str(tmp_path / "pp2"), "--prompt-lengths", "128", "--group-sizes", "3",
+                    "--modes", "longstraw"], check=True, capture_output=True, timeout=300)
+    (pp2,) = json.loads((tmp_path / "pp2" / "bench_qwen3.5-debug.json").read_text())["results"]
+    assert pp2["pipeline_parallel"] == 2 and len(pp2["replay_s"]) == 3 and len(pp2["stage_floor_gib"]) == 2
+    assert all(0 < floor < cp1["floor_gib"] for floor in pp2["stage_floor_gib"])
+    assert "Per pipeline stage" in (tmp_path / "pp2" / "bench_qwen3.5-debug.md").read_text()
 
 
 def test_largest_prompt_fit_is_the_line_through_the_peaks():

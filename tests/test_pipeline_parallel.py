@@ -99,3 +99,28 @@ def test_pp2_replay_through_the_schedule_matches_pp1(runs, preset):
     for name, want in ref["grads"].items():
         assert want.abs().max() > 0 or ".local_experts." in name, name  # an expert may get no token
 
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--replay-mode", "full"], "needs --replay-mode longstraw"),
+    (["--context-parallel-size", "2"], "with --context-parallel-size 2 is not supported"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "with --sequence-parallel is not supported"),
+    (["--pipeline-model-parallel-size", "3"], "world size 4 is not divisible"),
+])
+def test_pipeline_bad_flag_combinations_name_the_flags(extra, needle):
+    from megatron_longstraw.training.arguments import parse_args
+
+    argv = ["--pipeline-model-parallel-size", "2", *extra]
+    with pytest.raises(ValueError) as err:
+        parse_args(argv, world_size=4)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_layers_not_divisible_by_pipeline_stages_is_a_clear_error(single_process, monkeypatch):
+    from megatron.core import parallel_state
+
+    from megatron_longstraw.models.builder import build_model
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 3)
+    with pytest.raises(ValueError, match=r"--pipeline-model-parallel-size 3 does not divide the model's 4 layers"):
+        build_model(resolve_hf_config("qwen3.5-debug"))

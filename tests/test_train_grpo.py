@@ -314,3 +314,36 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path):
                 full = shard_for_rank(full, dim, rank, 2, sections)
             error = (torch.from_numpy(value) - full).abs().max().item()
             assert error <= 1e-5 * max(1.0, full.abs().max().item()), (rank, name, error)
+
+
+def test_pipeline_parallel_run_resumes_at_pp1(tmp_path):
+    """PP=2 with internal rollouts (decoding stage to stage, the last stage sampling), scoring
+    and replay through Megatron's schedule: 3 steps with a checkpoint after step 2; PP=1 loads
+    that checkpoint (Megatron's distributed checkpoint reshards the stages) and takes step 3 like
+    the PP=2 run: the same rewards, loss, gradient norm and updated parameters (both stages'
+    layers). Every stage logs the last stage's metrics. (A fresh PP=1 run is no reference: each
+    stage initializes its layers from its own random stream.)"""
+    from megatron_longstraw.testing.multiprocess import run_multiprocess
+    from megatron_longstraw.testing.trainer_runs import train_worker
+
+    ckpt = tmp_path / "ckpt"
+    argv = ["--global-batch-size", "1", "--num-generations", "3", "--synthetic-prompt-length", "37",
+            "--prompt-chunk-size", "16", "--max-response-length", "5", "--replay-micro-batch-size", "2",
+            "--lr", "1e-2", "--entropy-coef", "0.01", "--wandb-mode", "disabled",
+            "--wandb-save-dir", str(tmp_path / "w"), "--reward-fn", "reward_fixtures:low_token_fraction"]
+    stages = run_multiprocess(train_worker, 2, argv + ["--pipeline-model-parallel-size", "2", "--train-iters", "3",
+                                                       "--save", str(ckpt), "--save-interval", "2"])
+    (resumed,) = run_multiprocess(train_worker, 1, argv + ["--train-iters", "3", "--load", str(ckpt / "iter_0000002"),
+                                                           "--no-save"])
+    for key in ("reward/mean", "loss/total", "optim/grad_norm", "tokens/response", "prompt/state_bytes"):
+        a = resumed["metrics"][key]
+        for stage in stages:
+            b = stage["metrics"][key]
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
+    assert resumed["metrics"]["optim/grad_norm"] > 0
+    params = {**stages[0]["params"], **stages[1]["params"]}
+    assert set(params) == set(resumed["params"]) and set(stages[0]["params"]) != set(stages[1]["params"])
+    for name, value in params.items():
+        full = resumed["params"][name]
+        error = float(abs(value - full).max())
+        assert error <= 1e-5 * max(1.0, float(abs(full).max())), (name, error)

@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--context-parallel-size", type=int, default=1,
                    help="shard the prompt over this many ranks (launch with torchrun --nproc_per_node N); "
                         "LongStraw mode only")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="split the layers over this many stages (launch with torchrun --nproc_per_node N); "
+                        "replay runs through Megatron's pipeline schedule; LongStraw mode only")
     p.add_argument("--output-dir", default="docs/bench")
     p.add_argument("--tag", default="", help="suffix for the output file names")
     args = p.parse_args(argv)
@@ -73,6 +76,11 @@ def parse_args(argv=None):
     if args.context_parallel_size > 1 and "full" in args.modes:
         raise ValueError(f"--context-parallel-size {args.context_parallel_size}: the full-graph mode runs "
                          "on one rank; use --modes longstraw")
+    if args.pipeline_model_parallel_size > 1 and "full" in args.modes:
+        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the full-graph "
+                         "mode runs on one rank; use --modes longstraw")
+    if args.pipeline_model_parallel_size > 1 and args.context_parallel_size > 1:
+        raise ValueError("--pipeline-model-parallel-size and --context-parallel-size together are not supported")
     return args
 
 
@@ -104,13 +112,21 @@ def _reduce_grads(model):
 
 
 def _max_over_ranks(value: float) -> float:
-    """The largest ``value`` over the CP ranks (per-GPU peaks: the busiest GPU counts)."""
-    group = _cp_group()
-    if group is None:
+    """The largest ``value`` over the ranks (CP or PP; per-GPU peaks: the busiest GPU counts)."""
+    if torch.distributed.get_world_size() == 1:
         return value
     tensor = torch.tensor([value], dtype=torch.float64, device=device())
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return tensor.item()
+
+
+def _per_stage(value: float) -> list[float]:
+    """``value`` of every pipeline stage, in stage order."""
+    from megatron.core import parallel_state
+
+    values = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    torch.distributed.all_gather_object(values, value, group=parallel_state.get_pipeline_model_parallel_group())
+    return values
 
 
 def _reset_peak():
@@ -187,7 +203,7 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
                  for _ in range(group)]
     loss_fn = _loss_fn(group * args.response_length)
     result = dict(mode=mode, prompt_length=prompt_length, group=group, response_length=args.response_length,
-                  context_parallel=args.context_parallel_size)
+                  context_parallel=args.context_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size)
     _sync()
     _reset_peak()
     start = time.perf_counter()
@@ -203,20 +219,26 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
                 result["capture_split_s"] = split
             result["capture_peak_gib"] = _peak_gib()
             result["state_gib"] = state.nbytes() / GiB
-            flops = prompt_flops(hf, model, prompt_length)
-            if flops is not None:
+            flops = prompt_flops(hf, model, prompt_length) if args.pipeline_model_parallel_size == 1 else None
+            if flops is not None:  # (per stage under PP: not counted)
                 result["capture_tflops"] = flops / result["capture_s"] / 1e12
                 result["capture_mfu"] = result["capture_tflops"] / (PEAK_TFLOPS * args.context_parallel_size)
             replay_times = []
             state_tensors = [t for layer in state.layers.values() for t in layer.tensors().values()]
             meter = SavedTensorMeter([*model.parameters(), *state_tensors, state.last_hidden_1BH])
-            for i in range(0, group, args.replay_micro_batch_size):
+            mbs = args.replay_micro_batch_size
+            # one micro-batch measured alone (its activations: the floor's term); under PP the rest
+            # then go through the pipeline schedule in one call, per micro-batch time its mean
+            for i in range(0, group, mbs) if args.pipeline_model_parallel_size == 1 else (0, mbs):
+                batch = responses[i:i + mbs] if i == 0 or args.pipeline_model_parallel_size == 1 else responses[mbs:]
+                if not batch:
+                    break
                 t0 = time.perf_counter()
-                with meter if i == 0 else contextlib.nullcontext():  # one micro-batch's activations
-                    replay_responses(model, state, responses[i:i + args.replay_micro_batch_size], loss_fn,
-                                     args.replay_micro_batch_size)
+                with meter if i == 0 else contextlib.nullcontext():
+                    replay_responses(model, state, batch, loss_fn, mbs)
                 _sync()
-                replay_times.append(time.perf_counter() - t0)
+                micro_batches = -(-len(batch) // mbs)
+                replay_times += [(time.perf_counter() - t0) / micro_batches] * micro_batches
             result["replay_s"] = replay_times
             result["activation_gib"] = meter.nbytes / GiB
         else:
@@ -233,7 +255,10 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
         _sync()
         result["optimizer_s"] = time.perf_counter() - t0
         result["step_s"] = time.perf_counter() - start
-        result["peak_gib"] = _max_over_ranks(_peak_gib())
+        peak = _peak_gib()
+        result["peak_gib"] = _max_over_ranks(peak)
+        if args.pipeline_model_parallel_size > 1:
+            result["stage_peak_gib"] = _per_stage(peak)
         if torch.cuda.is_available():
             result["device_gib"] = torch.cuda.mem_get_info()[1] / GiB
         for key in ("capture_peak_gib", "state_gib"):
@@ -242,9 +267,11 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
         if mode == "longstraw":
             n_params = sum(p.numel() for p in model.parameters())
             dtype_bytes = next(model.parameters()).element_size()
-            floor = memory_floor_bytes(n_params, dtype_bytes, 2 * dtype_bytes, state.nbytes(), meter.nbytes)
-            result["floor_gib"] = floor / GiB
-            result["peak_over_floor"] = result["peak_gib"] / result["floor_gib"]
+            floor = memory_floor_bytes(n_params, dtype_bytes, 2 * dtype_bytes, state.nbytes(), meter.nbytes) / GiB
+            result["floor_gib"] = _max_over_ranks(floor)  # per rank: this rank's (stage's) parameters
+            result["peak_over_floor"] = _max_over_ranks(peak / floor)
+            if args.pipeline_model_parallel_size > 1:
+                result["stage_floor_gib"] = _per_stage(floor)
             state.free()
     except torch.OutOfMemoryError:
         result["oom"] = True
@@ -263,9 +290,10 @@ def largest_prompt_fits(results) -> list[dict]:
     groups = {}
     for r in results:
         if not r.get("oom") and r.get("device_gib") and r.get("peak_gib") == r.get("peak_gib"):
-            groups.setdefault((r["mode"], r.get("context_parallel", 1), r["group"]), []).append(r)
+            groups.setdefault((r["mode"], r.get("context_parallel", 1), r.get("pipeline_parallel", 1), r["group"]),
+                              []).append(r)
     fits = []
-    for (mode, cp, group), rows in sorted(groups.items()):
+    for (mode, cp, pp, group), rows in sorted(groups.items()):
         rows = sorted(rows, key=lambda r: r["prompt_length"])
         if rows[-1]["prompt_length"] == rows[0]["prompt_length"]:
             continue
@@ -273,7 +301,7 @@ def largest_prompt_fits(results) -> list[dict]:
         fixed = rows[0]["peak_gib"] - slope * rows[0]["prompt_length"]
         if slope <= 0:
             continue
-        fits.append(dict(mode=mode, cp=cp, group=group, fixed_gib=fixed, per_1k_mib=slope * 1024 * 1024,
+        fits.append(dict(mode=mode, cp=cp, pp=pp, group=group, fixed_gib=fixed, per_1k_mib=slope * 1024 * 1024,
                          device_gib=rows[0]["device_gib"],
                          largest_prompt=int((rows[0]["device_gib"] - fixed) / slope)))
     return fits
@@ -294,27 +322,36 @@ def write_outputs(results, args, command, quiet=False):
     stem = f"bench_{args.model}{('_' + args.tag) if args.tag else ''}"
     (out / f"{stem}.json").write_text(json.dumps(dict(command=command, results=results), indent=1))
     lines = [f"# LongStraw benchmark: {args.model}", "", f"Command: `{command}`", "",
-             "| mode | CP | prompt | G | capture s | capture MFU | replay s (mean) | per-sample s | step s | state GiB | act GiB | peak GiB | floor GiB | peak/floor |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| mode | CP | PP | prompt | G | capture s | capture MFU | replay s (mean) | per-sample s | step s | state GiB | act GiB | peak GiB | floor GiB | peak/floor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if r.get("oom"):
-            lines.append(f"| {r['mode']} | {r.get('context_parallel', 1)} | {r['prompt_length']} | {r['group']} | OOM "
+            lines.append(f"| {r['mode']} | {r.get('context_parallel', 1)} | {r.get('pipeline_parallel', 1)} "
+                         f"| {r['prompt_length']} | {r['group']} | OOM "
                          f"| | | | | | | >{r['peak_gib']:.1f} | | |")
             continue
         cells = [_cell(r.get("capture_s"), ".1f"), _cell(r.get("capture_mfu"), ".1%"),
                  _cell(_mean(r.get("replay_s")), ".2f"), _cell(_mean(r.get("per_sample_s")), ".2f"),
                  _cell(r["step_s"], ".1f"), _cell(r.get("state_gib"), ".2f"), _cell(r.get("activation_gib"), ".2f"),
                  _cell(r["peak_gib"], ".2f"), _cell(r.get("floor_gib"), ".2f"), _cell(r.get("peak_over_floor"), ".3f")]
-        lines.append(f"| {r['mode']} | {r.get('context_parallel', 1)} | {r['prompt_length']} | {r['group']} | "
-                     + " | ".join(cells) + " |")
+        lines.append(f"| {r['mode']} | {r.get('context_parallel', 1)} | {r.get('pipeline_parallel', 1)} "
+                     f"| {r['prompt_length']} | {r['group']} | " + " | ".join(cells) + " |")
     fits = largest_prompt_fits(results)
     if fits:
         lines += ["", "Largest prompt per GPU memory, predicted from a straight line through the measured peaks",
                   "(peak = fixed + per-token x prompt; the position budget is not counted):", "",
-                  "| mode | CP | G | fixed GiB | MiB per 1K prompt tokens | device GiB | largest prompt |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {f['mode']} | {f['cp']} | {f['group']} | {f['fixed_gib']:.2f} | {f['per_1k_mib']:.2f} "
+                  "| mode | CP | PP | G | fixed GiB | MiB per 1K prompt tokens | device GiB | largest prompt |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {f['mode']} | {f['cp']} | {f['pp']} | {f['group']} | {f['fixed_gib']:.2f} | {f['per_1k_mib']:.2f} "
                   f"| {f['device_gib']:.1f} | {f['largest_prompt']:,} |" for f in fits]
+    stages = [r for r in results if r.get("stage_peak_gib")]
+    if stages:
+        lines += ["", "Per pipeline stage (peak / floor GiB):", "",
+                  "| prompt | G | " + " | ".join(f"stage {i}" for i in range(len(stages[0]["stage_peak_gib"]))) + " |",
+                  "| --- | --- | " + " | ".join("---" for _ in stages[0]["stage_peak_gib"]) + " |"]
+        lines += [f"| {r['prompt_length']} | {r['group']} | " + " | ".join(
+            f"{peak:.2f} / {floor:.2f}" for peak, floor in zip(r["stage_peak_gib"], r.get("stage_floor_gib", [])))
+            + " |" for r in stages]
     splits = [r for r in results if r.get("capture_split_s")]
     if splits:
         lines += ["", "Capture time split (s; each part timed between CUDA synchronizations):", "",
@@ -362,7 +399,8 @@ def _plot(results, path, command):
 def main(argv=None):
     args = parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
-    init_distributed(ParallelSizes(context=args.context_parallel_size), seed=1234)
+    init_distributed(ParallelSizes(context=args.context_parallel_size, pipeline=args.pipeline_model_parallel_size),
+                     seed=1234)
     rank0 = torch.distributed.get_rank() == 0
     hf = resolve_hf_config(args.model)
     if args.max_position_embeddings:

@@ -1,14 +1,17 @@
 """One decode step: every sample's next token(s) through the model against its ``DecodeState``."""
 
+from typing import Optional
+
 import torch
 
 from megatron_longstraw.longstraw.binding import Mode, bind
 from megatron_longstraw.longstraw.decode_state import DecodeState
 from megatron_longstraw.longstraw.model_steps import decode, embed, output_logits
+from megatron_longstraw.longstraw.pipeline import check_pipeline, pipeline_parallel, run_stages
 
 
 @torch.no_grad()
-def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> torch.Tensor:
+def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> Optional[torch.Tensor]:
     """Feed ``ids_BS`` (``[samples, s]``, usually ``s = 1``) at positions ``state.position...``.
 
     Each layer attends over the shared prompt state, the sample's earlier tokens and the new
@@ -16,6 +19,8 @@ def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> torch.Tensor
     logits ``[b, vocab / tp]`` predicting the token after the last fed one (this rank's
     vocabulary shard when the model keeps its output parallel). Under sequence parallelism the
     layers see the tokens padded to a multiple of TP and decode only the first ``seq`` rows.
+    Under pipeline parallelism every stage calls it with the same tokens; the hidden states pass
+    stage to stage and only the last stage returns logits (the others ``None``).
     """
     batch, seq = ids_BS.shape
     assert batch == state.num_samples, (batch, state.num_samples)
@@ -24,6 +29,10 @@ def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> torch.Tensor
                          f"after {state.length}")
     offset = state.position
     with bind(model, Mode.DECODE, state, position_offset=offset, valid_length=seq):
-        hidden_SBH = decode(model, embed(model, ids_BS, offset), offset)
+        if pipeline_parallel():
+            check_pipeline(model)
+            hidden_SBH = run_stages(model, ids_BS, offset, lambda h: decode(model, h, offset))
+        else:
+            hidden_SBH = decode(model, embed(model, ids_BS, offset), offset)
     state.advance(seq)
-    return output_logits(model, hidden_SBH[-1:])[0]
+    return None if hidden_SBH is None else output_logits(model, hidden_SBH[-1:])[0]

@@ -12,8 +12,13 @@ prompt state of those layers only.
   bound to this stage's prompt state (the binding spans the whole schedule, so backward and any
   recomputation see it too); the last stage computes the loss. Responses are padded to one length
   so that every micro-batch has the shape the schedule's point-to-point transfers expect.
+- ``run_stages`` (no autograd): one slice of tokens through the stages, as capture passes a chunk;
+  decoding (``decode_step``) and the trainer's scoring (``score_logprobs_pp``) use it, the last
+  stage computing logits and log-probs. Whatever only the last stage computes (sampled tokens,
+  a group's metrics) reaches the other stages with ``from_last_stage``.
 
-Not yet combined with sequence or context parallelism (refused with a clear error).
+Not yet combined with sequence or context parallelism, nor with virtual pipeline stages (one
+model chunk per stage); refused with a clear error.
 """
 
 import math
@@ -27,7 +32,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
 from megatron_longstraw.longstraw.context_parallel import context_parallel_group
 from megatron_longstraw.longstraw.model_steps import (
-    FinalNormInput, decode, embed, final_norm, loss_of, output_logits, sequence_parallel)
+    FinalNormInput, decode, embed, final_norm, loss_of, output_logits, response_logprobs, sequence_parallel)
 from megatron_longstraw.longstraw.state import PromptState
 
 
@@ -36,8 +41,11 @@ def pipeline_parallel() -> bool:
     return parallel_state.get_pipeline_model_parallel_world_size() > 1
 
 
-def _check(model) -> None:
+def check_pipeline(model) -> None:
+    """``ValueError`` for what pipeline parallelism is not combined with yet."""
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        raise ValueError("virtual pipeline stages are not supported by LongStraw capture/replay yet")
     if sequence_parallel(model):
         raise ValueError(f"--sequence-parallel with --pipeline-model-parallel-size {pp} is not supported by "
                          "LongStraw capture/replay yet")
@@ -55,43 +63,90 @@ def _stage_input(model, shape, device) -> Optional[torch.Tensor]:
     return hidden
 
 
+def run_stages(model, ids_BS: torch.Tensor, offset: int, run: Callable[[torch.Tensor], torch.Tensor]):
+    """One slice of tokens at positions ``offset...`` through the pipeline: the first stage embeds
+    ``ids_BS``, every stage applies ``run`` (its layers, bound by the caller) to the previous
+    stage's hidden states and sends the result on. Returns the last stage's output ``[s, b, h]``,
+    ``None`` on the other stages."""
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    batch, seq = ids_BS.shape
+    if first:
+        hidden_SBH = embed(model, ids_BS, offset)
+    else:
+        hidden_SBH = _stage_input(model, (seq, batch, model.config.hidden_size), ids_BS.device)
+        model.set_input_tensor(hidden_SBH)
+    try:
+        hidden_SBH = run(hidden_SBH)
+    finally:
+        if not first:
+            model.set_input_tensor(None)
+    if last:
+        return hidden_SBH
+    dist.send(hidden_SBH.to(model.config.pipeline_dtype).contiguous(),
+              parallel_state.get_pipeline_model_parallel_next_rank())
+    return None
+
+
+def from_last_stage(value):
+    """The last pipeline stage's ``value`` (a picklable object) on every stage."""
+    box = [value]
+    dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+    return box[0]
+
+
 @torch.no_grad()
 def capture_prompt_pp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
                       progress: Optional[Callable[[int], object]] = None) -> PromptState:
     """``capture_prompt`` over the pipeline stages: every stage calls it with the whole prompt and
     returns the state of its own layers; the last stage's state also holds the last prompt
     position's hidden state and logits (the other stages' hold ``None``)."""
-    _check(model)
+    check_pipeline(model)
     batch, length = prompt_ids_BS.shape
-    device = prompt_ids_BS.device
-    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    last = parallel_state.is_pipeline_last_stage()
     state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
     for name, module in stateful_modules(model).items():
-        state.layers[name] = module.new_prompt_state(length, batch, device)
+        state.layers[name] = module.new_prompt_state(length, batch, prompt_ids_BS.device)
     norm_input = FinalNormInput(model) if last else None
     try:
         for start in range(0, length, chunk_size):
             ids_BS = prompt_ids_BS[:, start:start + chunk_size]
-            seq = ids_BS.shape[1]
-            hidden_SBH = embed(model, ids_BS, start) if first else \
-                _stage_input(model, (seq, batch, model.config.hidden_size), device)
-            if not first:
-                model.set_input_tensor(hidden_SBH)
-            with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=seq):
-                hidden_SBH = decode(model, hidden_SBH, start)
-            if not last:
-                dist.send(hidden_SBH.to(model.config.pipeline_dtype).contiguous(),
-                          parallel_state.get_pipeline_model_parallel_next_rank())
+            with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=ids_BS.shape[1]):
+                hidden_SBH = run_stages(model, ids_BS, start, lambda h: decode(model, h, start))
             if progress is not None:
-                progress(seq)
+                progress(ids_BS.shape[1])
     finally:
-        model.set_input_tensor(None)
         if norm_input is not None:
             norm_input.remove()
     if last:
         state.last_hidden_1BH = norm_input.input_SBH[-1:]
         state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
     return state
+
+
+@torch.no_grad()
+def score_logprobs_pp(model, state: PromptState, responses: Sequence[torch.Tensor],
+                      micro_batch_size: int) -> list[torch.Tensor]:
+    """Per-response log-probs without a graph, through the stages ``micro_batch_size`` responses
+    at a time, computed as replay computes them (row 0 from the prompt's last hidden state). The
+    last stage returns them; the other stages get zeros of the responses' lengths (only the last
+    stage evaluates the loss)."""
+    from megatron_longstraw.longstraw.replay import pad_responses
+
+    check_pipeline(model)
+    offset, out = state.prompt_length, []
+    for start in range(0, len(responses), micro_batch_size):
+        chunk = responses[start:start + micro_batch_size]
+        ids_BR, _ = pad_responses(chunk)
+        with bind(model, Mode.REPLAY, state, position_offset=offset):
+            hidden_SBH = run_stages(model, ids_BR, offset, lambda h: decode(model, h, offset))
+        if hidden_SBH is None:
+            out.extend(torch.zeros(r.numel(), device=r.device) for r in chunk)
+            continue
+        first_1BH = final_norm(model, state.last_hidden_1BH.expand(-1, ids_BR.shape[0], -1))
+        logprobs_RB = response_logprobs(model, torch.cat([first_1BH, hidden_SBH[:-1]]), ids_BR.t())
+        out.extend(logprobs_RB[: r.numel(), i].float() for i, r in enumerate(chunk))
+    return out
 
 
 def _micro_batches(responses: Sequence[torch.Tensor], micro_batch_size: int):
@@ -117,7 +172,7 @@ def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Ten
     """``replay_responses`` through Megatron's pipeline schedule (same arguments); every stage
     calls it with the same responses. Gradients accumulate in this stage's parameters; returns
     each micro-batch's loss on the last stage, an empty list elsewhere."""
-    _check(model)
+    check_pipeline(model)
     if micro_batch_size < 1:
         raise ValueError(f"--replay-micro-batch-size must be >= 1, got {micro_batch_size}")
     if state.batch != 1:

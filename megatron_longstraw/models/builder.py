@@ -22,6 +22,10 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
     """
     family = family_for(hf.get("model_type"))
     hf = family.normalize_hf_config(hf)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if hf["num_hidden_layers"] % pp:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide the model's "
+                         f"{hf['num_hidden_layers']} layers")
     backend = backend_provider(options)
     config = family.transformer_config(hf, options)
     if pre_process is None:

@@ -15,7 +15,10 @@ identical anyway). Context parallelism: the prompt state's K/V pages are sharded
 group (``longstraw/context_parallel.py``) and every CP rank runs this same loop on the same
 samples; the attention merges the ranks' page parts, so the logits are the same on every CP rank,
 and CP rank 0's tokens are broadcast over the CP group (after the TP broadcast), so the tokens
-are replicated exactly. Sequence and pipeline parallelism are not supported here.
+are replicated exactly. Sequence parallelism: a step's tokens are padded to a multiple of TP
+(``decode_step``). Pipeline parallelism: every stage runs this loop on the same samples, the
+hidden states pass stage to stage (``decode_step``), the last stage samples, and its tokens and
+log-probabilities are broadcast over the pipeline group, so every stage keeps the same samples.
 """
 
 import time
@@ -28,6 +31,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_longstraw.longstraw.decode_state import new_decode_state
 from megatron_longstraw.longstraw.decode_step import decode_step
 from megatron_longstraw.longstraw.model_steps import output_logits
+from megatron_longstraw.longstraw.pipeline import check_pipeline, pipeline_parallel
 from megatron_longstraw.longstraw.state import PromptState
 from megatron_longstraw.rollout.sampling import (
     check_sampling, sample_tokens, sampling_logprobs, token_logprobs_full_vocab)
@@ -52,8 +56,8 @@ class Rollouts:
     ``logprobs[i][t]`` is ``log p(responses[i][t])`` under the model itself (temperature 1, no
     top-p: what replay computes for the same tokens), fp32; ``sampling_logprobs`` the same under
     the distribution it was drawn from (temperature and top-p applied; 0 when greedy).
-    ``step_logits`` (only with ``keep_logits``) holds, per sample, the full-vocabulary logits each
-    token was sampled from, ``[len, vocab]``.
+    ``step_logits`` (only with ``keep_logits``; on the last pipeline stage) holds, per sample, the
+    full-vocabulary logits each token was sampled from, ``[len, vocab]``.
     """
 
     responses: list[torch.Tensor]
@@ -116,8 +120,23 @@ def _check(model, prompt_state: PromptState, num_samples: int, max_new_tokens: i
         raise ValueError(
             f"--max-response-length {max_new_tokens} after a {prompt_state.prompt_length}-token prompt "
             f"exceeds the model's {model.max_sequence_length} positions")
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError("decoding with --pipeline-model-parallel-size > 1 is not supported")
+    if pipeline_parallel():
+        check_pipeline(model)
+
+
+def _samples_on_every_stage(tokens_B, scores_B2, rows: int, device):
+    """The last pipeline stage's sampled tokens ``[b]`` and their log-probabilities ``[b, 2]`` on
+    every stage (the other stages pass ``None`` and get them); unchanged without pipelining."""
+    if not pipeline_parallel():
+        return tokens_B, scores_B2
+    if tokens_B is None:
+        tokens_B = torch.empty(rows, dtype=torch.long, device=device)
+        scores_B2 = torch.empty(rows, 2, dtype=torch.float32, device=device)
+    group, src = (parallel_state.get_pipeline_model_parallel_group(),
+                  parallel_state.get_pipeline_model_parallel_last_rank())
+    torch.distributed.broadcast(tokens_B, src=src, group=group)
+    torch.distributed.broadcast(scores_B2, src=src, group=group)
+    return tokens_B, scores_B2
 
 
 @torch.no_grad()
@@ -139,20 +158,27 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
     start = time.perf_counter()
     state = new_decode_state(model, prompt_state, num_samples, capacity=max_new_tokens - 1)
     state_bytes = state.nbytes()
+    state_device = next(model.parameters()).device
     tokens_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.long)
     logprobs_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.float32)
     sampling_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.float32)
     lengths = [0] * num_samples
     stopped_by_eos = [False] * num_samples
-    kept_logits = [[] for _ in range(num_samples)] if keep_logits else None
+    samples_here = not pipeline_parallel() or parallel_state.is_pipeline_last_stage()  # has the logits
+    kept_logits = [[] for _ in range(num_samples)] if keep_logits and samples_here else None
     rows = list(range(num_samples))  # sample id of each row still decoding
-    logits_BV = full_vocab_logits(model, _first_logits(model, prompt_state)).expand(num_samples, -1)
+    logits_BV = full_vocab_logits(model, _first_logits(model, prompt_state)).expand(num_samples, -1) \
+        if samples_here else None
     steps = 0
     try:
         for step in range(max_new_tokens):
-            tokens_B = _same_on_model_parallel_ranks(sample_tokens(logits_BV, temperature, top_p, generator))
-            logprobs_B = token_logprobs_full_vocab(logits_BV, tokens_B).cpu()
-            sampling_B = sampling_logprobs(logits_BV, tokens_B, temperature, top_p).cpu()
+            tokens_B = scores_B2 = None
+            if samples_here:
+                tokens_B = _same_on_model_parallel_ranks(sample_tokens(logits_BV, temperature, top_p, generator))
+                scores_B2 = torch.stack([token_logprobs_full_vocab(logits_BV, tokens_B),
+                                         sampling_logprobs(logits_BV, tokens_B, temperature, top_p)], -1).float()
+            tokens_B, scores_B2 = _samples_on_every_stage(tokens_B, scores_B2, len(rows), device=state_device)
+            logprobs_B, sampling_B = scores_B2.cpu().unbind(-1)
             tokens_cpu = tokens_B.cpu()
             keep = []
             for row, sample in enumerate(rows):
@@ -177,7 +203,8 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
                 state.select_samples(index_B)
                 tokens_B = tokens_B.index_select(0, index_B)
                 rows = [rows[row] for row in keep]
-            logits_BV = full_vocab_logits(model, decode_step(model, state, tokens_B[:, None]))
+            logits_BV = decode_step(model, state, tokens_B[:, None])
+            logits_BV = None if logits_BV is None else full_vocab_logits(model, logits_BV)
             steps += 1
     finally:
         state.free()

@@ -3,11 +3,13 @@
 
 def train_worker(argv: list[str]) -> dict:
     """``train_grpo.train`` on ``argv`` in this rank; returns the last metrics, this rank's
-    parameters (CPU copies) and, for tensor-parallel ones, how TP splits them
+    parameters (CPU copies, named by global layer number: a pipeline stage's layers are
+    numbered from 0 locally) and, for tensor-parallel ones, how TP splits them
     (``{name: (partition dim, fused sections)}``, see ``builder.shard_for_rank``)."""
     import train_grpo
     from megatron_longstraw.distributed import destroy_distributed, init_distributed
     from megatron_longstraw.models.registry import family_for
+    from megatron_longstraw.testing.parity import pipeline_global_names
 
     import torch
 
@@ -16,9 +18,11 @@ def train_worker(argv: list[str]) -> dict:
     init_distributed(args.parallel, seed=args.seed)
     try:
         metrics, model = train_grpo.train(args)
-        params = {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}  # pickles by value
+        rename = pipeline_global_names(model)
+        # numpy: pickles by value
+        params = {rename(n): p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}
         family = family_for(model.hf_config["model_type"])
-        splits = {n: (p.partition_dim, family.tp_sections(n, model.config))
+        splits = {rename(n): (p.partition_dim, family.tp_sections(n, model.config))
                   for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
     finally:
         destroy_distributed()

@@ -206,9 +206,15 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ValueError("--expert-model-parallel-size > 1 with data parallelism is not supported yet: "
                          "data-parallel ranks run different prompts, so their expert all-to-alls would not match")
     if args.parallel.pipeline > 1:
-        raise ValueError("--pipeline-model-parallel-size > 1 is not supported by the trainer yet (capture "
-                         "and replay support it, megatron_longstraw/longstraw/pipeline.py; rollouts and "
-                         "scoring do not)")
+        pp = args.parallel.pipeline
+        if args.replay_mode != "longstraw":
+            raise ValueError(f"--pipeline-model-parallel-size {pp} needs --replay-mode longstraw (the "
+                             "full-graph baseline has no pipeline path)")
+        if args.parallel.context > 1:
+            raise ValueError(f"--pipeline-model-parallel-size {pp} with --context-parallel-size "
+                             f"{args.parallel.context} is not supported yet")
+        if args.sequence_parallel:
+            raise ValueError(f"--pipeline-model-parallel-size {pp} with --sequence-parallel is not supported yet")
     if args.parallel.context > 1 and args.replay_mode != "longstraw":
         raise ValueError("--context-parallel-size > 1 needs --replay-mode longstraw (the full-graph "
                          "baseline has no CP path)")

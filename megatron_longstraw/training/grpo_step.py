@@ -24,6 +24,7 @@ from megatron_longstraw.grpo.policy_loss import GRPOLoss
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_hidden, full_graph_responses
 from megatron_longstraw.longstraw.model_steps import response_logprobs
+from megatron_longstraw.longstraw.pipeline import from_last_stage, pipeline_parallel, score_logprobs_pp
 from megatron_longstraw.longstraw.replay import pad_responses, replay_hidden, replay_responses
 from megatron_longstraw.rewards.scoring import score_group
 from megatron_longstraw.rollout.generate import generate_from_state
@@ -76,7 +77,10 @@ def _same_on_tp_ranks(rewards_G: torch.Tensor) -> torch.Tensor:
 
 def score_logprobs(model, state, prompt_ids_1S, responses, args) -> list[torch.Tensor]:
     """Per-response log-probs under ``model`` without a graph, computed exactly as the training
-    forward computes them (replay against ``state``, or the full graph in ``--replay-mode full``)."""
+    forward computes them (replay against ``state``, or the full graph in ``--replay-mode full``);
+    under pipeline parallelism on the last stage (``score_logprobs_pp``)."""
+    if pipeline_parallel():
+        return score_logprobs_pp(model, state, responses, args.replay_micro_batch_size)
     out = []
     with torch.no_grad():
         for start in range(0, len(responses), args.replay_micro_batch_size):
@@ -138,7 +142,15 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
         state_bytes = state.nbytes()
     finally:
         state.free()
-    return _group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, args)
+    if not pipeline_parallel():
+        return _group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, args)
+    # the loss and its metrics exist on the last stage; the prompt state is spread over the stages
+    metrics = from_last_stage(_group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, args)
+                              if parallel_state.is_pipeline_last_stage() else None)
+    total_bytes = torch.tensor(float(state_bytes), dtype=torch.float64, device=prompt_ids_1S.device)
+    torch.distributed.all_reduce(total_bytes, group=parallel_state.get_pipeline_model_parallel_group())
+    metrics["prompt/state_bytes"] = total_bytes.item()
+    return metrics
 
 
 def _group_metrics(group, advantages_G, loss_fn, loss, state_bytes, eos_id, args) -> dict:
