@@ -9,6 +9,7 @@
 #       bash scripts/gpu_host.sh bench [tools/bench_longstraw.py args ...]
 #       bash scripts/gpu_host.sh bench-with-tests [bench args ...]
 #       bash scripts/gpu_host.sh bench-cp N [bench args ...]   (N GPUs, context parallel size N)
+#       bash scripts/gpu_host.sh bench-pp N [bench args ...]   (N GPUs, N pipeline stages)
 #       bash scripts/gpu_host.sh train [train_grpo.py args ...]
 #       bash scripts/gpu_host.sh train-sweep "COMMON ARGS" NAME "ARGS" [NAME "ARGS" ...]
 #       bash scripts/gpu_host.sh train-reshard "COMMON ARGS" "FIRST LAYOUT" "RESUMED LAYOUT"
@@ -104,10 +105,10 @@ gpu_tests() {  # pytest args; junit XML and log into $out, then the table
 bench() {  # bench_longstraw.py args
   timeout "$limit" python3 tools/bench_longstraw.py --output-dir "$out/bench" "$@" 2>&1 | grep -v -i "warn\|deprecated"
 }
-bench_cp() {  # N, then bench_longstraw.py args: one rank per GPU, the prompt sharded over them
-  local n=$1; shift
+bench_parallel() {  # flag, N, then bench_longstraw.py args: one rank per GPU
+  local flag=$1 n=$2; shift 2
   timeout "$limit" python3 -m torch.distributed.run --nproc_per_node "$n" tools/bench_longstraw.py \
-    --context-parallel-size "$n" --output-dir "$out/bench" "$@" 2>&1 | grep -v -i "warn\|deprecated"
+    "$flag" "$n" --output-dir "$out/bench" "$@" 2>&1 | grep -v -i "warn\|deprecated"
 }
 case "${1:-}" in
   keep-cache) keep_cache "${2:-}"; exit 0 ;;
@@ -117,7 +118,8 @@ case "${1:-}" in
   install-a) install .whl-a; echo "installed .whl-a into $site" ;;
   run) shift; prepare; gpu_tests "$@" ;;
   bench) shift; prepare; bench "$@" ;;
-  bench-cp) shift; prepare; bench_cp "$@" ;;
+  bench-cp) shift; prepare; bench_parallel --context-parallel-size "$@" ;;
+  bench-pp) shift; prepare; bench_parallel --pipeline-model-parallel-size "$@" ;;
   bench-with-tests)
     shift; prepare
     gpu_tests >/dev/null 2>&1 &
@@ -178,6 +180,6 @@ case "${1:-}" in
     python3 tools/plot_metrics.py "$out/train/metrics.jsonl" --keys reward/mean,entropy/mean \
       --output "$out/train/learning_curve.png" --title "train_grpo.py $*" || true
     exit "$status" ;;
-  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | te-piece | te-build | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | train [args] | train-sweep COMMON NAME ARGS ... | train-reshard COMMON FIRST RESUMED" >&2
+  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | te-piece | te-build | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | bench-pp N [args] | train [args] | train-sweep COMMON NAME ARGS ... | train-reshard COMMON FIRST RESUMED" >&2
      exit 2 ;;
 esac

@@ -39,17 +39,21 @@ def _unchunked_topk(q_SBHD, weights_SBH, prefix_P1D, own_SBD, k, use_relu):
 @pytest.mark.parametrize("key_block,score_elements", [(8, 1 << 30), (7, 1 << 30), (1, 4 * HEADS * 5),
                                                        (5, 4 * HEADS * 5), (4096, 1 << 27)])
 @pytest.mark.parametrize("use_relu,ties", [(True, False), (False, False), (True, True), (False, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_blockwise_topk_equals_unchunked(monkeypatch, key_block, score_elements, use_relu, ties, dtype):
+@pytest.mark.parametrize("dtype,topk_keys", [(torch.float32, "packed"), (torch.float32, "float"),
+                                              (torch.float64, "packed")])
+def test_blockwise_topk_equals_unchunked(monkeypatch, key_block, score_elements, use_relu, ties, dtype, topk_keys):
     """Key blocks that divide the 40-token prefix (8) and do not (7, 5, 1), query blocks of 5
     rows, ReLU scoring (many exact zeros) and duplicated keys (exact ties): identical indices,
     in the same order; a top-k wider than the visible keys pads with -1 like the reference. fp32
-    scores take the packed-int64 selection, fp64 the stable-sort one.
+    scores take the packed-int64 selection (every score packed, or with ``LONGSTRAW_DSA_TOPK=float``
+    the block's fp32 top-k first, packed ranking only for a block whose cut falls in a tie), fp64
+    the stable-sort one.
     (Gaussian scores from GEMMs of other shapes may differ in the last bit; the tie cases use
     integer inputs, whose scores are exact, so a tie is a tie in both.)"""
     patches.apply_patches()
     monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", key_block)
     monkeypatch.setattr(dsa_blockwise, "SCORE_ELEMENTS", score_elements)
+    monkeypatch.setattr(dsa_blockwise, "TOPK_KEYS", topk_keys)
     decided = False
     for prefix, seq, batch, k, seed in ((40, 13, 2, 6, 0), (40, 13, 1, 60, 1), (0, 9, 2, 4, 2), (33, 1, 3, 8, 3)):
         inputs = [t.to(dtype) for t in _indexer_inputs(prefix, seq, batch, seed, ties)]

@@ -39,6 +39,13 @@ KEY_BLOCK = int(os.environ.get("LONGSTRAW_DSA_KEY_BLOCK", 16384))  # keys scored
 SCORE_ELEMENTS = int(os.environ.get("LONGSTRAW_DSA_SCORE_ELEMENTS", 1 << 27))
 # elements of one query block's gathered keys plus attention scores
 GATHER_ELEMENTS = int(os.environ.get("LONGSTRAW_DSA_GATHER_ELEMENTS", 1 << 27))
+# how a key block's fp32 scores enter the running top-k: "packed" ranks every score packed with
+# its position in one int64 (64-bit keys); "float" first takes the block's top-k on the fp32
+# scores (32-bit keys, half the radix passes) and packs only those, unless a tie at the k-th
+# score could have been cut arbitrarily (then that block goes the packed way). Same selection.
+TOPK_KEYS = os.environ.get("LONGSTRAW_DSA_TOPK", "packed")
+if TOPK_KEYS not in ("packed", "float"):
+    raise ValueError(f"LONGSTRAW_DSA_TOPK must be 'packed' or 'float', got {TOPK_KEYS!r}")
 
 
 def _block_scores(q_QBHD, weights_QBH, keys_TBD, use_relu):
@@ -76,10 +83,23 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return (_LOW - (packed & _LOW)).masked_fill(scores == float("-inf"), -1)
 
 
+def _block_best_packed(scores_BQT: torch.Tensor, positions_T: torch.Tensor, width: int) -> torch.Tensor:
+    """The best ``width`` of one key block as packed candidates (any order): ``torch.topk`` on
+    the fp32 scores, exact unless some row's k-th score is tied with a score left out (then the
+    whole block is ranked packed). Ties at ``-inf`` do not matter (invisible keys)."""
+    scores_BQT = scores_BQT + 0.0  # -0.0 as +0.0, as the packed order counts them
+    values, index = scores_BQT.topk(width, dim=-1, sorted=False)
+    kth = values.amin(dim=-1, keepdim=True)
+    cut = ((scores_BQT == kth).sum(-1) != (values == kth).sum(-1)) & (kth[..., 0] > float("-inf"))
+    if bool(cut.any()):
+        return _pack(scores_BQT, positions_T).topk(width, dim=-1, sorted=False).values
+    return _pack(values, positions_T[index])
+
+
 class _RunningTopk:
     """Top ``width`` candidates of a query block over the key blocks seen so far (in ascending
-    position order). fp32 scores travel packed (``_pack``: one exact ``torch.topk``); wider
-    scores (fp64 tests) as (values, positions) ranked by a stable sort."""
+    position order). fp32 scores travel packed (``_pack``: exact ``torch.topk``, kept unsorted
+    until ``result``); wider scores (fp64 tests) as (values, positions) ranked by a stable sort."""
 
     def __init__(self, width: int):
         self.width, self.best = width, None
@@ -88,14 +108,24 @@ class _RunningTopk:
         """Merge one key block's masked scores ``[b, q, t]`` at ``positions_T``."""
         keep = min(self.width, scores_BQT.shape[-1])
         if scores_BQT.dtype == torch.float32:
-            packed = _pack(scores_BQT, positions_T)
+            if TOPK_KEYS == "float" and scores_BQT.shape[-1] > self.width:
+                packed = _block_best_packed(scores_BQT, positions_T, self.width)
+            else:
+                packed = _pack(scores_BQT, positions_T)
             if self.best is not None:
                 packed = torch.cat([self.best, packed], dim=-1)
-            self.best = packed.topk(min(self.width, packed.shape[-1]), dim=-1).values
+            self.best = packed if packed.shape[-1] <= self.width else \
+                packed.topk(self.width, dim=-1, sorted=False).values
             return
         values, order = causal_topk(scores_BQT, keep)
         block = (values, positions_T[order])
         self.best = block if self.best is None else _merge(self.best, block, self.width)
+
+    def result(self):
+        """The candidates ordered (score descending, position ascending)."""
+        if isinstance(self.best, tuple):
+            return self.best
+        return self.best.sort(dim=-1, descending=True).values
 
 
 def _fused_scorer(q_SBHD, keys):
@@ -157,7 +187,7 @@ def topk_candidates(q_SBHD: torch.Tensor, weights_SBH: torch.Tensor, segments, q
         if running.best is None:  # nothing visible yet: an empty candidate list of the right kind
             empty = torch.full((batch, q1 - q0, 1), float("-inf"), dtype=score_dtype, device=device)
             running.add(empty, torch.full((1,), _LOW, dtype=torch.int64, device=device))
-        parts.append(_pad_candidates(running.best, width))
+        parts.append(_pad_candidates(running.result(), width))
     if isinstance(parts[0], tuple):
         return tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(2))
     return torch.cat(parts, dim=1)

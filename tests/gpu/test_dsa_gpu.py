@@ -157,3 +157,22 @@ def test_glm_capture_with_fused_sparse_mla_matches_full_forward(single_process, 
     replay_error = ((replayed - truth).abs().max() / scale).item()
     record_property("rel_err_full_replay", f"{full_error:.1e},{replay_error:.1e}")
     assert replay_error <= max(2 * full_error, 2e-2)
+
+
+def test_float_and_packed_topk_keys_select_the_same_and_time(monkeypatch, record_property):
+    """GLM-5's indexer shape, 4,096 queries after 126K keys, top-2,048: the running top-k with
+    every score packed (int64 keys) and with the block's fp32 top-k first select the same keys;
+    both are timed (reported, not asserted: ``LONGSTRAW_DSA_TOPK`` picks one for long runs)."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    prefix, seq, heads, dim = 126_976, 4096, 32, 128
+    q = torch.randn(seq, 1, heads, dim, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(seq, 1, heads, device="cuda", generator=gen).bfloat16()
+    pages = torch.randn(prefix, 1, dim, device="cuda", generator=gen).bfloat16()
+    own = torch.randn(seq, 1, dim, device="cuda", generator=gen).bfloat16()
+    picks, seconds = {}, {}
+    for keys in ("packed", "float"):
+        monkeypatch.setattr(dsa_blockwise, "TOPK_KEYS", keys)
+        picks[keys], seconds[keys] = _timed(
+            lambda: index_topk_blockwise(q, w, [(pages, 0), (own, prefix)], prefix, 2048, True))
+    record_property("seconds_packed_float", f"{seconds['packed']:.4f},{seconds['float']:.4f}")
+    assert torch.equal(picks["packed"], picks["float"])
