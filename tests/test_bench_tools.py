@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter
@@ -112,9 +113,12 @@ def test_bench_tool_under_context_and_pipeline_parallelism(tmp_path):
     (cp1,) = json.loads((tmp_path / "cp1" / "bench_qwen3.5-debug.json").read_text())["results"]
     # the attention pages halve; the replicated Gated DeltaNet state does not
     assert cp1["state_gib"] / 2 < result["state_gib"] < cp1["state_gib"]
-    refused = subprocess.run(base + ["--prompt-lengths", "128", "--modes", "full"], capture_output=True, text=True,
-                             timeout=300)
-    assert refused.returncode != 0 and "--context-parallel-size 2: the full-graph mode" in refused.stderr
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_longstraw import parse_args
+
+    for flag in ("--context-parallel-size", "--pipeline-model-parallel-size"):
+        with pytest.raises(ValueError, match=f"{flag} 2: the full-graph mode"):
+            parse_args([flag, "2", "--modes", "longstraw,full"])
     pipeline = [arg if arg != "--context-parallel-size" else "--pipeline-model-parallel-size" for arg in base]
     subprocess.run([*pipeline[:-1], str(tmp_path / "pp2"), "--prompt-lengths", "128", "--group-sizes", "3",
                     "--modes", "longstraw"], check=True, capture_output=True, timeout=300)

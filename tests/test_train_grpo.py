@@ -193,55 +193,68 @@ def _rollout_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("aggregation", ["token", "sequence"])
-def test_data_parallel_step_equals_one_process_on_the_same_global_batch(tmp_path, aggregation):
-    """DP=2 (one group per rank, DDP averaging) vs one process with both groups: the same loss
-    and gradient norm, hence the same normalization (groups of different lengths)."""
+def test_data_parallel_step_equals_one_process_on_the_same_global_batch(tmp_path):
+    """DP=2 (one group per rank, DDP averaging) vs one process with both groups, for token and
+    sequence aggregation: the same loss and gradient norm, hence the same normalization (groups
+    of different lengths)."""
+    from megatron_longstraw.grpo.advantages import group_advantages
     from megatron_longstraw.testing.multiprocess import run_multiprocess
-    from megatron_longstraw.testing.trainer_runs import train_worker
+    from megatron_longstraw.testing.trainer_runs import train_workers
 
     path = _rollout_file(tmp_path)
-    argv = ["--train-iters", "1", "--global-batch-size", "2", "--num-generations", "3", "--no-save",
-            "--wandb-mode", "disabled", "--wandb-save-dir", str(tmp_path / "w"), "--rollout-source", "jsonl",
-            "--rollout-path", str(path), "--reward-fn", "exact_match", "--loss-aggregation", aggregation,
-            "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2"]
-    (single,) = run_multiprocess(train_worker, 1, argv)
-    pair = run_multiprocess(train_worker, 2, argv)
-    for key in ("loss/total", "optim/grad_norm", "tokens/response", "reward/mean", "reward/max"):
-        a, b = single["metrics"][key], pair[0]["metrics"][key]
-        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
-    assert pair[0]["metrics"]["optim/grad_norm"] > 0
-    # at ratio 1 each token's surrogate is -A: the step loss is exactly the global token (or
-    # sequence) mean of -A, whatever the group lengths
-    from megatron_longstraw.grpo.advantages import group_advantages
+    aggregations = ("token", "sequence")
+    argvs = [["--train-iters", "1", "--global-batch-size", "2", "--num-generations", "3", "--no-save",
+              "--wandb-mode", "disabled", "--wandb-save-dir", str(tmp_path / "w"), "--rollout-source", "jsonl",
+              "--rollout-path", str(path), "--reward-fn", "exact_match", "--loss-aggregation", aggregation,
+              "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2"] for aggregation in aggregations]
+    (singles,) = run_multiprocess(train_workers, 1, argvs)
+    pairs = run_multiprocess(train_workers, 2, argvs)
+    for i, aggregation in enumerate(aggregations):
+        single, pair = singles[i], [rank[i] for rank in pairs]
+        for key in ("loss/total", "optim/grad_norm", "tokens/response", "reward/mean", "reward/max"):
+            a, b = single["metrics"][key], pair[0]["metrics"][key]
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (aggregation, key, a, b)
+        assert pair[0]["metrics"]["optim/grad_norm"] > 0
+        # at ratio 1 each token's surrogate is -A: the step loss is exactly the global token (or
+        # sequence) mean of -A, whatever the group lengths
+        terms, weights = [], []
+        for line in path.read_text().splitlines():
+            group = json.loads(line)
+            advantages = group_advantages(torch.tensor(group["rewards"]), "group-std")
+            for a, response in zip(advantages.tolist(), group["responses"]):
+                n = len(response) if aggregation == "token" else 1
+                terms.append(-a * n)
+                weights.append(n)
+        expected = sum(terms) / sum(weights)
+        assert abs(single["metrics"]["loss/total"] - expected) <= 1e-6, (aggregation, single["metrics"]["loss/total"])
+        for name, value in pair[0]["params"].items():
+            assert (value == pair[1]["params"][name]).all(), name  # ranks stay in sync
 
-    terms, weights = [], []
-    for line in path.read_text().splitlines():
-        group = json.loads(line)
-        advantages = group_advantages(torch.tensor(group["rewards"]), "group-std")
-        for a, response in zip(advantages.tolist(), group["responses"]):
-            n = len(response) if aggregation == "token" else 1
-            terms.append(-a * n)
-            weights.append(n)
-    expected = sum(terms) / sum(weights)
-    assert abs(single["metrics"]["loss/total"] - expected) <= 1e-6, (single["metrics"]["loss/total"], expected)
-    for name, value in pair[0]["params"].items():
-        assert (value == pair[1]["params"][name]).all(), name  # ranks stay in sync
+
+@pytest.fixture(scope="module")
+def context_parallel_runs(tmp_path_factory):
+    """One step at CP=1 and at CP=2 (one spawn each) with external rollouts and with internal
+    ones: ``{"external" | "internal": (CP=1 result, [CP=2 rank results])}``."""
+    from megatron_longstraw.testing.multiprocess import run_multiprocess
+    from megatron_longstraw.testing.trainer_runs import train_workers
+
+    tmp_path = tmp_path_factory.mktemp("cp")
+    common = ["--train-iters", "1", "--num-generations", "3", "--no-save", "--wandb-mode", "disabled",
+              "--wandb-save-dir", str(tmp_path / "w"), "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2"]
+    argvs = {"external": common + ["--global-batch-size", "2", "--rollout-source", "jsonl", "--rollout-path",
+                                   str(_rollout_file(tmp_path)), "--reward-fn", "exact_match"],
+             "internal": common + ["--global-batch-size", "1", "--synthetic-prompt-length", "37",
+                                   "--max-response-length", "5", "--lr", "1e-2",
+                                   "--reward-fn", "reward_fixtures:low_token_fraction"]}
+    (singles,) = run_multiprocess(train_workers, 1, list(argvs.values()))
+    pairs = run_multiprocess(train_workers, 2, [argv + ["--context-parallel-size", "2"] for argv in argvs.values()])
+    return {name: (singles[i], [rank[i] for rank in pairs]) for i, name in enumerate(argvs)}
 
 
-def test_context_parallel_step_equals_one_process(tmp_path):
+def test_context_parallel_step_equals_one_process(context_parallel_runs):
     """CP=2 (prompt state sharded over 2 ranks, response replicated, DDP over DP x CP) vs CP=1:
     the same loss and gradient norm, and both CP ranks end with the same parameters."""
-    from megatron_longstraw.testing.multiprocess import run_multiprocess
-    from megatron_longstraw.testing.trainer_runs import train_worker
-
-    path = _rollout_file(tmp_path)
-    argv = ["--train-iters", "1", "--global-batch-size", "2", "--num-generations", "3", "--no-save",
-            "--wandb-mode", "disabled", "--wandb-save-dir", str(tmp_path / "w"), "--rollout-source", "jsonl",
-            "--rollout-path", str(path), "--reward-fn", "exact_match", "--prompt-chunk-size", "16",
-            "--replay-micro-batch-size", "2"]
-    (single,) = run_multiprocess(train_worker, 1, argv)
-    pair = run_multiprocess(train_worker, 2, argv + ["--context-parallel-size", "2"])
+    single, pair = context_parallel_runs["external"]
     for key in ("loss/total", "optim/grad_norm", "tokens/response", "prompt/state_bytes"):
         a, b = single["metrics"][key], pair[0]["metrics"][key]
         if key == "prompt/state_bytes":
@@ -252,19 +265,11 @@ def test_context_parallel_step_equals_one_process(tmp_path):
         assert (value == pair[1]["params"][name]).all(), name
 
 
-def test_context_parallel_internal_rollouts_step_equals_one_process(tmp_path):
+def test_context_parallel_internal_rollouts_step_equals_one_process(context_parallel_runs):
     """Internal rollouts under CP=2 (decoding from the CP-sharded prompt state, tokens replicated
     over the CP ranks) vs CP=1: the same rewards, loss and gradient norm after one step, and both
     CP ranks end with the same parameters."""
-    from megatron_longstraw.testing.multiprocess import run_multiprocess
-    from megatron_longstraw.testing.trainer_runs import train_worker
-
-    argv = ["--train-iters", "1", "--global-batch-size", "1", "--num-generations", "3",
-            "--synthetic-prompt-length", "37", "--prompt-chunk-size", "16", "--max-response-length", "5",
-            "--replay-micro-batch-size", "2", "--lr", "1e-2", "--no-save", "--wandb-mode", "disabled",
-            "--wandb-save-dir", str(tmp_path / "w"), "--reward-fn", "reward_fixtures:low_token_fraction"]
-    (single,) = run_multiprocess(train_worker, 1, argv)
-    pair = run_multiprocess(train_worker, 2, argv + ["--context-parallel-size", "2"])
+    single, pair = context_parallel_runs["internal"]
     for key in ("reward/mean", "loss/total", "optim/grad_norm", "tokens/response", "prompt/state_bytes"):
         a = single["metrics"][key]
         for run in pair:
@@ -287,7 +292,7 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path):
     initializes its shards from other random streams.)"""
     from megatron_longstraw.models.builder import shard_for_rank
     from megatron_longstraw.testing.multiprocess import run_multiprocess
-    from megatron_longstraw.testing.trainer_runs import train_worker
+    from megatron_longstraw.testing.trainer_runs import train_worker, train_workers
 
     path = _rollout_file(tmp_path)
     ckpt = tmp_path / "ckpt"
@@ -296,9 +301,9 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path):
             "--reward-fn", "exact_match", "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2",
             "--lr", "1e-2"]
     tp2 = ["--tensor-model-parallel-size", "2"]
-    run_multiprocess(train_worker, 2, argv + tp2 + ["--train-iters", "2", "--save", str(ckpt)])
-    resumed_tp2 = run_multiprocess(train_worker, 2, argv + tp2 + ["--train-iters", "3", "--load", str(ckpt),
-                                                                   "--no-save"])
+    resumed_tp2 = [runs[1] for runs in run_multiprocess(train_workers, 2, [
+        argv + tp2 + ["--train-iters", "2", "--save", str(ckpt)],
+        argv + tp2 + ["--train-iters", "3", "--load", str(ckpt), "--no-save"]])]
     (resumed_tp1,) = run_multiprocess(train_worker, 1, argv + ["--train-iters", "3", "--load", str(ckpt),
                                                                "--no-save"])
     for key in ("loss/total", "reward/mean", "optim/grad_norm"):

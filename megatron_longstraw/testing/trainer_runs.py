@@ -33,3 +33,16 @@ def _world_size() -> int:
     import os
 
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def train_workers(argvs: list[list[str]]) -> list[dict]:
+    """``train_worker`` on each of ``argvs`` in turn in this rank (one spawn serves several runs;
+    each run sets up and tears down its own process groups, on a store port of its own: a
+    re-used store would still hold the previous run's rendezvous keys)."""
+    import os
+
+    base, results = int(os.environ["MASTER_PORT"]), []
+    for i, argv in enumerate(argvs):
+        os.environ["MASTER_PORT"] = str(base + i)
+        results.append(train_worker(argv))
+    return results
