@@ -109,6 +109,7 @@ def test_sparse_mla_kernel_matches_torch_path_bf16(monkeypatch, record_property)
     from megatron_longstraw.attention.dsa_blockwise import sparse_latent_attention, sparse_latent_partial
 
     query, pages, own, topk = _sparse_inputs(18000, 2000, 2048)
+    topk[:, 0, 1:] = -1  # query 0 picks itself only: none of its picks on the prompt pages
     segments = [(pages, 0), (own, 18000)]
     with torch.no_grad():
         assert sparse_mla_triton.supported(query, [pages, own], 512)
