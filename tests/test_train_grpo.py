@@ -283,40 +283,47 @@ def test_context_parallel_internal_rollouts_step_equals_one_process(context_para
         assert (value == pair[1]["params"][name]).all(), name
 
 
-def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path):
-    """A TP=2 run saves after 2 steps; TP=1 loads that checkpoint (Megatron's distributed
-    checkpoint reshards model and optimizer) and takes step 3 like the TP=2 run resumed at TP=2:
-    the same loss and gradient norm, and parameters whose TP=2 shards match. This also checks that
-    replicated weights whose gradients each TP rank computes in part (q/k norms, Gated DeltaNet's
-    output norm) get their TP sums before the step. (A fresh TP=1 run is no reference: TP=2
-    initializes its shards from other random streams.)"""
+def test_tensor_and_context_parallel_checkpoint_resumes_at_tp1(tmp_path):
+    """A TP=2 x CP=2 run (4 ranks) saves after 2 steps; TP=1, CP=1 loads that checkpoint
+    (Megatron's distributed checkpoint reshards model and optimizer) and takes step 3 like the
+    4-rank run resumed as it was: the same loss and gradient norm, and parameters whose TP=2
+    shards match (on both CP ranks). This also checks that replicated weights whose gradients
+    each TP rank computes in part (q/k norms, Gated DeltaNet's output norm) get their TP sums
+    before the step. (A fresh TP=1 run is no reference: TP=2 initializes its shards from other
+    random streams.) The model is the debug preset with 4 Gated DeltaNet key heads: Megatron's
+    config wants them divisible by TP x CP."""
     from megatron_longstraw.models.builder import shard_for_rank
+    from megatron_longstraw.models.presets import resolve_hf_config
     from megatron_longstraw.testing.multiprocess import run_multiprocess
     from megatron_longstraw.testing.trainer_runs import train_worker, train_workers
 
+    config = {**resolve_hf_config("qwen3.5-debug"), "linear_num_key_heads": 4, "linear_num_value_heads": 4}
+    config.pop("_source")
+    (tmp_path / "config.json").write_text(json.dumps(config))
     path = _rollout_file(tmp_path)
     ckpt = tmp_path / "ckpt"
-    argv = ["--global-batch-size", "2", "--num-generations", "3", "--wandb-mode", "disabled",
-            "--wandb-save-dir", str(tmp_path / "w"), "--rollout-source", "jsonl", "--rollout-path", str(path),
-            "--reward-fn", "exact_match", "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2",
-            "--lr", "1e-2"]
-    tp2 = ["--tensor-model-parallel-size", "2"]
-    resumed_tp2 = [runs[1] for runs in run_multiprocess(train_workers, 2, [
-        argv + tp2 + ["--train-iters", "2", "--save", str(ckpt)],
-        argv + tp2 + ["--train-iters", "3", "--load", str(ckpt), "--no-save"]])]
+    argv = ["--model", str(tmp_path / "config.json"), "--global-batch-size", "2", "--num-generations", "3",
+            "--wandb-mode", "disabled", "--wandb-save-dir", str(tmp_path / "w"), "--rollout-source", "jsonl",
+            "--rollout-path", str(path), "--reward-fn", "exact_match", "--prompt-chunk-size", "16",
+            "--replay-micro-batch-size", "2", "--lr", "1e-2"]
+    layout = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
+    resumed = [runs[1] for runs in run_multiprocess(train_workers, 4, [
+        argv + layout + ["--train-iters", "2", "--save", str(ckpt)],
+        argv + layout + ["--train-iters", "3", "--load", str(ckpt), "--no-save"]])]
     (resumed_tp1,) = run_multiprocess(train_worker, 1, argv + ["--train-iters", "3", "--load", str(ckpt),
                                                                "--no-save"])
     for key in ("loss/total", "reward/mean", "optim/grad_norm"):
-        a, b = resumed_tp1["metrics"][key], resumed_tp2[0]["metrics"][key]
-        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
+        a = resumed_tp1["metrics"][key]
+        for run in resumed:
+            assert abs(a - run["metrics"][key]) <= 1e-5 * max(1.0, abs(a)), (key, a, run["metrics"][key])
     assert resumed_tp1["metrics"]["optim/grad_norm"] > 0
-    for rank, run in enumerate(resumed_tp2):
+    for rank, run in enumerate(resumed):  # Megatron's rank order: TP fastest, then CP
         assert set(run["params"]) == set(resumed_tp1["params"])
         for name, value in run["params"].items():
             full = torch.from_numpy(resumed_tp1["params"][name])
             if name in run["tp_splits"]:
                 dim, sections = run["tp_splits"][name]
-                full = shard_for_rank(full, dim, rank, 2, sections)
+                full = shard_for_rank(full, dim, rank % 2, 2, sections)
             error = (torch.from_numpy(value) - full).abs().max().item()
             assert error <= 1e-5 * max(1.0, full.abs().max().item()), (rank, name, error)
 
