@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="split the layers over this many stages (launch with torchrun --nproc_per_node N); "
                         "replay runs through Megatron's pipeline schedule; LongStraw mode only")
+    p.add_argument("--transformer-impl", default="local", help="local or transformer_engine (Megatron's flag)")
+    p.add_argument("--fp8-format", default=None, help="hybrid or e4m3 (needs --transformer-impl transformer_engine)")
+    p.add_argument("--fp8-recipe", default="delayed", help="delayed, tensorwise, blockwise or mxfp8")
     p.add_argument("--output-dir", default="docs/bench")
     p.add_argument("--tag", default="", help="suffix for the output file names")
     args = p.parse_args(argv)
@@ -203,7 +206,9 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
                  for _ in range(group)]
     loss_fn = _loss_fn(group * args.response_length)
     result = dict(mode=mode, prompt_length=prompt_length, group=group, response_length=args.response_length,
-                  context_parallel=args.context_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size)
+                  context_parallel=args.context_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size,
+                  transformer_impl=args.transformer_impl,
+                  fp8=f"{args.fp8_format}/{args.fp8_recipe}" if args.fp8_format else None)
     _sync()
     _reset_peak()
     start = time.perf_counter()
@@ -409,7 +414,8 @@ def main(argv=None):
     results = []
     try:
         for mode in args.modes:
-            model = build_model(hf, ModelOptions(params_dtype=dtype,
+            model = build_model(hf, ModelOptions(params_dtype=dtype, transformer_impl=args.transformer_impl,
+                                                 fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
                                                  recompute_granularity="full" if mode == "full" else None))
             optimizer = _optimizer(model)
             if args.warmup_prompt_length:

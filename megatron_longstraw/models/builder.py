@@ -28,6 +28,10 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
                          f"{hf['num_hidden_layers']} layers")
     backend = backend_provider(options)
     config = family.transformer_config(hf, options)
+    if options.fp8_format is not None and torch.cuda.is_available():
+        from megatron_longstraw.models.fp8 import probe_fp8_recipe
+
+        probe_fp8_recipe(config)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:

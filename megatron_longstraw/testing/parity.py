@@ -26,13 +26,13 @@ def seeded_model(hf: dict, dtype=torch.float32, seed: int = 0):
     return megatron_from_hf(hf, build_hf_model(hf, seed=seed).to(dtype), ModelOptions(params_dtype=dtype))
 
 
-def bf16_and_fp32_models(preset: str, device: str = "cuda", **overrides):
+def bf16_and_fp32_models(preset: str, device: str = "cuda", transformer_impl: str = "local", **overrides):
     """``(hf, bf16 model, fp32 model)`` with the same (bf16-rounded) weights of the HF reference
-    built from seed 0, on ``device``: a bf16 run and its fp32 truth. ``overrides`` change HF
-    config fields of the preset."""
+    built from seed 0, on ``device``: a bf16 run (local spec or ``transformer_engine``) and its
+    fp32 truth (local spec). ``overrides`` change HF config fields of the preset."""
     hf = {**resolve_hf_config(preset), **overrides}
     hf_model = build_hf_model(hf, seed=0).to(device, torch.bfloat16)
-    model = megatron_from_hf(hf, hf_model, ModelOptions(params_dtype=torch.bfloat16))
+    model = megatron_from_hf(hf, hf_model, ModelOptions(params_dtype=torch.bfloat16, transformer_impl=transformer_impl))
     return hf, model, megatron_from_hf(hf, hf_model.float(), ModelOptions(params_dtype=torch.float32))
 
 

@@ -52,12 +52,17 @@ def test_cuda_blockwise_topk_equals_cpu_selection(monkeypatch):
     assert torch.equal(got.cpu(), want)
 
 
-def test_glm_capture_replay_bf16_matches_full_forward(single_process, monkeypatch, record_property):
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_glm_capture_replay_bf16_matches_full_forward(single_process, monkeypatch, record_property, impl):
     """GLM-5 tiny in bf16 on CUDA (fused index scores, gathered sparse MLA, small DSA blocks):
     replay logits after a chunked capture against the bf16 full forward (Megatron's dense DSA),
-    both against the fp32 full forward."""
+    both against the fp32 full forward; with the local and the Transformer Engine spec."""
+    from megatron_longstraw.models.options import have_transformer_engine
+
+    if impl == "transformer_engine" and not have_transformer_engine():
+        pytest.skip("needs Transformer Engine (scripts/gpu_host.sh te-piece, te-build)")
     monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", 64)
-    hf, model, model32 = bf16_and_fp32_models("glm-5-debug")
+    hf, model, model32 = bf16_and_fp32_models("glm-5-debug", transformer_impl=impl)
     gen = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(0, hf["vocab_size"], (1, 700), device="cuda", generator=gen)
     response = torch.randint(0, hf["vocab_size"], (1, 90), device="cuda", generator=gen)

@@ -8,6 +8,7 @@ from megatron_longstraw.attention.prefix_attention_cuda import prefix_causal_att
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_responses
 from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
+from megatron_longstraw.models.options import have_transformer_engine
 from megatron_longstraw.patches import cpu_gated_delta_kernels as torch_gdn_kernels
 from megatron_longstraw.testing.parity import bf16_and_fp32_models, forward_logits
 
@@ -90,12 +91,16 @@ def test_fla_gated_delta_from_detached_state_matches_recurrence(single_process, 
     assert max(errors) < 2e-2, errors
 
 
-def test_capture_replay_bf16_matches_full_graph(single_process, record_property):
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_capture_replay_bf16_matches_full_graph(single_process, record_property, impl):
     """qwen3.5-debug on fla + fused attention, bf16: logits and gradients of capture/replay and of
     the full graph, each against the fp32 full graph of the same (bf16-rounded) weights computed
     with the pure-torch GDN kernels (independent of fla). Replay must be as close to that truth
-    as the bf16 full graph is (per parameter, with a margin)."""
-    hf, model, model32 = bf16_and_fp32_models("qwen3.5-debug")
+    as the bf16 full graph is (per parameter, with a margin). With the Transformer Engine spec
+    (TE linear and fused norm layers) the same must hold."""
+    if impl == "transformer_engine" and not have_transformer_engine():
+        pytest.skip("needs Transformer Engine (scripts/gpu_host.sh te-piece, te-build)")
+    hf, model, model32 = bf16_and_fp32_models("qwen3.5-debug", transformer_impl=impl)
     gen = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(0, hf["vocab_size"], (1, 1000), device="cuda", generator=gen)
     responses = [torch.randint(0, hf["vocab_size"], (n,), device="cuda", generator=gen) for n in (200, 131)]

@@ -1,0 +1,111 @@
+"""GPU tier, Transformer Engine (installed on the host with ``scripts/gpu_host.sh te-piece`` and
+``te-build``): the TE spec of both families against the local spec on the same weights, FP8
+replay against bf16 on ``qwen3.5-0.8b`` at a 32K prompt, FP8 stability over 20 replays, and an
+FP8 recipe this GPU cannot run.
+Capture/replay parity with the TE spec runs in ``test_longstraw_gpu.py`` and ``test_dsa_gpu.py``
+(their ``transformer_engine`` cases)."""
+
+import pytest
+import torch
+
+from megatron_longstraw.models.options import ModelOptions, have_transformer_engine
+from megatron_longstraw.patches import cpu_gated_delta_kernels as torch_gdn_kernels
+from megatron_longstraw.testing.parity import bf16_and_fp32_models, forward_logits, megatron_from_hf
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not have_transformer_engine(),
+                                 reason="needs Transformer Engine (scripts/gpu_host.sh te-piece, te-build)")]
+
+BF16 = torch.bfloat16
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-debug", "glm-5-debug"])
+def test_te_spec_logits_match_local_spec_bf16(single_process, preset, record_property):
+    """Same (bf16-rounded) weights in the local and the TE spec: both against the fp32 local
+    forward; TE may be at most twice as far (or 2e-2: bf16 GEMMs in another order)."""
+    from megatron_longstraw.testing.hf_reference import build_hf_model
+
+    hf, local, truth_model = bf16_and_fp32_models(preset)
+    te_model = megatron_from_hf(hf, build_hf_model(hf, seed=0).to("cuda", BF16),
+                                ModelOptions(params_dtype=BF16, transformer_impl="transformer_engine"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens = torch.randint(0, hf["vocab_size"], (2, 300), device="cuda", generator=gen)
+    switch = not torch_gdn_kernels.needed()  # the fp32 truth on the torch Gated DeltaNet kernels
+    with torch.no_grad():
+        if switch:
+            torch_gdn_kernels.apply()
+        try:
+            truth = forward_logits(truth_model, tokens)
+        finally:
+            if switch:
+                torch_gdn_kernels.revert()
+        local_err, te_err = _rel(forward_logits(local, tokens), truth), _rel(forward_logits(te_model, tokens), truth)
+    record_property("rel_err_local_te", f"{local_err:.1e},{te_err:.1e}")
+    assert te_err <= max(2 * local_err, 2e-2), (local_err, te_err)
+
+
+def _qwen_08b_pair():
+    """``qwen3.5-0.8b`` with the TE spec in bf16 and in FP8 (hybrid, delayed), same weights."""
+    from megatron_longstraw.models.builder import build_model
+    from megatron_longstraw.models.presets import resolve_hf_config
+
+    hf = resolve_hf_config("qwen3.5-0.8b")
+    bf16 = build_model(hf, ModelOptions(params_dtype=BF16, transformer_impl="transformer_engine"))
+    fp8 = build_model(hf, ModelOptions(params_dtype=BF16, transformer_impl="transformer_engine",
+                                       fp8_format="hybrid", fp8_recipe="delayed"))
+    with torch.no_grad():
+        for a, b in zip(fp8.parameters(), bf16.parameters(), strict=True):
+            a.copy_(b)
+    return hf, bf16, fp8
+
+
+def test_fp8_replay_tracks_bf16_on_qwen_0_8b_at_32k(single_process, record_property):
+    """32K-token prompt, two 1,024-token responses: FP8 capture + replay against bf16 capture +
+    replay of the same weights: loss within 1%, gradient cosine >= 0.99; then 20 more FP8
+    replays (the delayed-scaling histories advancing) stay finite in loss and gradients."""
+    from megatron_longstraw.longstraw.capture import capture_prompt
+    from megatron_longstraw.longstraw.replay import replay_responses
+
+    hf, bf16, fp8 = _qwen_08b_pair()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prompt = torch.randint(0, hf["vocab_size"], (1, 32768), device="cuda", generator=gen)
+    responses = [torch.randint(0, hf["vocab_size"], (1024,), device="cuda", generator=gen) for _ in range(2)]
+    loss_fn = lambda lp, mask, idx: -(lp * mask).sum() / 2048  # noqa: E731
+    results = {}
+    for name, model in (("bf16", bf16), ("fp8", fp8)):
+        with torch.no_grad():
+            state = capture_prompt(model, prompt, 8192)
+        loss = sum(replay_responses(model, state, responses, loss_fn, micro_batch_size=1))
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        results[name] = (loss, grads, state)
+    (loss16, grad16, _), (loss8, grad8, state8) = results["bf16"], results["fp8"]
+    loss_error = abs(loss8 - loss16) / abs(loss16)
+    cosine = torch.nn.functional.cosine_similarity(grad8, grad16, dim=0).item()
+    finite = []
+    for _ in range(20):
+        fp8.zero_grad(set_to_none=True)
+        loss = sum(replay_responses(fp8, state8, responses, loss_fn, micro_batch_size=1))
+        finite.append(bool(torch.isfinite(torch.tensor(loss))) and
+                      all(bool(torch.isfinite(p.grad).all()) for p in fp8.parameters() if p.grad is not None))
+    record_property("loss_rel_err_grad_cosine", f"{loss_error:.2e},{cosine:.4f}")
+    assert loss_error <= 0.01 and cosine >= 0.99, (loss_error, cosine)
+    assert all(finite), finite
+
+
+def test_unsupported_fp8_recipe_names_the_flags(single_process):
+    """MXFP8 needs Blackwell (compute capability 10): on Hopper the model build refuses it with
+    one line naming the flags."""
+    from megatron_longstraw.models.builder import build_model
+    from megatron_longstraw.models.presets import resolve_hf_config
+
+    if torch.cuda.get_device_capability()[0] >= 10:
+        pytest.skip("this GPU runs MXFP8")
+    options = ModelOptions(params_dtype=BF16, transformer_impl="transformer_engine", fp8_format="e4m3",
+                           fp8_recipe="mxfp8")
+    with pytest.raises(ValueError, match=r"--fp8-format e4m3 --fp8-recipe mxfp8 is not supported") as err:
+        build_model(resolve_hf_config("qwen3.5-debug"), options)
+    assert "\n" not in str(err.value)
