@@ -13,6 +13,7 @@
 #       bash scripts/gpu_host.sh train [train_grpo.py args ...]
 #       bash scripts/gpu_host.sh train-sweep "COMMON ARGS" NAME "ARGS" [NAME "ARGS" ...]
 #       bash scripts/gpu_host.sh train-reshard "COMMON ARGS" "FIRST LAYOUT" "RESUMED LAYOUT"
+#       bash scripts/gpu_host.sh batch NAME "COMMAND" [NAME "COMMAND" ...]
 # Transformer Engine (../shared/offline-gpu/fetch-te.sh makes .te-1 ... .te-6 here): one call per
 # piece while the machine stays warm, carrying .te-N alone (each is up to 56 MiB):
 #       bash scripts/gpu_host.sh te-piece          (carry .te-1, then .te-2, ... .te-5)
@@ -28,6 +29,10 @@
 # `train-reshard` runs train_grpo.py under torchrun on every GPU with the first layout's parallel
 # args (e.g. "--tensor-model-parallel-size 2") for --train-iters steps with a checkpoint, then
 # resumes it with the second layout for two more steps (Megatron's checkpoints reshard).
+# `batch` runs several commands one after another in one device call (each a shell command, e.g.
+# "GPU_TESTS_SPREAD=0 GPU_HOST_TIMEOUT=200 bash scripts/gpu_host.sh run -s -k context_parallel"),
+# each with OUT=$OUT/NAME and its output in NAME.log, prints each one's tail, and returns them all
+# as $OUT/batch.tgz (a device call returns at most 8 files), plus the kernel cache pieces.
 # `train-sweep` runs several train_grpo.py side by side (common args + each NAME's args), spread
 # round-robin over the visible GPUs, plots each, prints a table, and returns $OUT/train-sweep.tgz
 # (train-NAME/metrics.jsonl, log.txt, learning_curve.png).
@@ -151,6 +156,20 @@ case "${1:-}" in
     # a device call returns at most 8 files: the runs' metrics, logs and plots travel as one archive
     (cd "$out" && tar czf train-sweep.tgz train-*/metrics.jsonl train-*/log.txt train-*/learning_curve.png \
       && rm -rf train-*/) || true ;;
+  batch)
+    shift; names=()
+    while [ $# -ge 2 ]; do
+      name=$1 cmd=$2; shift 2; names+=("$name"); mkdir -p "$out/$name"
+      echo "== $name: $cmd"
+      set +e
+      OUT=$out/$name bash -c "$cmd" >"$out/$name.log" 2>&1
+      echo "exit status $?" >>"$out/$name.log"
+      set -e
+      tail -n 12 "$out/$name.log"
+    done
+    rm -f "$out"/*/kernels.tgz.part-*
+    (cd "$out" && tar czf batch.tgz "${names[@]}" "${names[@]/%/.log}" && rm -rf "${names[@]}" "${names[@]/%/.log}")
+    save_cache ;;
   train-reshard)
     shift; prepare
     common=${1:?usage: train-reshard "COMMON ARGS" "FIRST LAYOUT" "RESUMED LAYOUT"} first=$2 resumed=$3
@@ -180,6 +199,6 @@ case "${1:-}" in
     python3 tools/plot_metrics.py "$out/train/metrics.jsonl" --keys reward/mean,entropy/mean \
       --output "$out/train/learning_curve.png" --title "train_grpo.py $*" || true
     exit "$status" ;;
-  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | te-piece | te-build | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | bench-pp N [args] | train [args] | train-sweep COMMON NAME ARGS ... | train-reshard COMMON FIRST RESUMED" >&2
+  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | te-piece | te-build | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | bench-pp N [args] | train [args] | train-sweep COMMON NAME ARGS ... | train-reshard COMMON FIRST RESUMED | batch NAME COMMAND ..." >&2
      exit 2 ;;
 esac
