@@ -52,6 +52,21 @@ def test_cuda_blockwise_topk_equals_cpu_selection(monkeypatch):
     assert torch.equal(got.cpu(), want)
 
 
+def _full_and_replay_errors(hf, model, model32) -> tuple[float, float]:
+    """A 700-token prompt captured in chunks of 256 and a 90-token response: the bf16 full
+    forward's and the replay's largest logit errors against the fp32 full forward (by its scale)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prompt = torch.randint(0, hf["vocab_size"], (1, 700), device="cuda", generator=gen)
+    response = torch.randint(0, hf["vocab_size"], (1, 90), device="cuda", generator=gen)
+    sequence = torch.cat([prompt, response], 1)
+    with torch.no_grad():
+        truth = forward_logits(model32, sequence)[0, 699:-1]
+        full = forward_logits(model, sequence)[0, 699:-1].float()
+        replayed = replay_logits(model, capture_prompt(model, prompt, 256), response)[:, 0].float()
+    scale = truth.abs().max()
+    return ((full - truth).abs().max() / scale).item(), ((replayed - truth).abs().max() / scale).item()
+
+
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 def test_glm_capture_replay_bf16_matches_full_forward(single_process, monkeypatch, record_property, impl):
     """GLM-5 tiny in bf16 on CUDA (fused index scores, gathered sparse MLA, small DSA blocks):
@@ -62,18 +77,7 @@ def test_glm_capture_replay_bf16_matches_full_forward(single_process, monkeypatc
     if impl == "transformer_engine" and not have_transformer_engine():
         pytest.skip("needs Transformer Engine (scripts/gpu_host.sh te-piece, te-build)")
     monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", 64)
-    hf, model, model32 = bf16_and_fp32_models("glm-5-debug", transformer_impl=impl)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    prompt = torch.randint(0, hf["vocab_size"], (1, 700), device="cuda", generator=gen)
-    response = torch.randint(0, hf["vocab_size"], (1, 90), device="cuda", generator=gen)
-    sequence = torch.cat([prompt, response], 1)
-    with torch.no_grad():
-        truth = forward_logits(model32, sequence)[0, 699:-1]
-        full = forward_logits(model, sequence)[0, 699:-1].float()
-        replayed = replay_logits(model, capture_prompt(model, prompt, 256), response)[:, 0].float()
-    scale = truth.abs().max()
-    full_error = ((full - truth).abs().max() / scale).item()
-    replay_error = ((replayed - truth).abs().max() / scale).item()
+    full_error, replay_error = _full_and_replay_errors(*bf16_and_fp32_models("glm-5-debug", transformer_impl=impl))
     record_property("rel_err_full_replay", f"{full_error:.1e},{replay_error:.1e}")
     assert replay_error <= max(2 * full_error, 2e-2)
 
@@ -149,18 +153,8 @@ def test_glm_capture_with_fused_sparse_mla_matches_full_forward(single_process, 
     calls = []
     forward = sparse_mla_triton.sparse_latent_forward
     monkeypatch.setattr(sparse_mla_triton, "sparse_latent_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    prompt = torch.randint(0, hf["vocab_size"], (1, 700), device="cuda", generator=gen)
-    response = torch.randint(0, hf["vocab_size"], (1, 90), device="cuda", generator=gen)
-    sequence = torch.cat([prompt, response], 1)
-    with torch.no_grad():
-        truth = forward_logits(model32, sequence)[0, 699:-1]
-        full = forward_logits(model, sequence)[0, 699:-1].float()
-        replayed = replay_logits(model, capture_prompt(model, prompt, 256), response)[:, 0].float()
+    full_error, replay_error = _full_and_replay_errors(hf, model, model32)
     assert calls
-    scale = truth.abs().max()
-    full_error = ((full - truth).abs().max() / scale).item()
-    replay_error = ((replayed - truth).abs().max() / scale).item()
     record_property("rel_err_full_replay", f"{full_error:.1e},{replay_error:.1e}")
     assert replay_error <= max(2 * full_error, 2e-2)
 
