@@ -89,6 +89,15 @@ def final_norm(model, hidden_SBH: torch.Tensor) -> torch.Tensor:
     return _on_sequence_shards(model, norm, hidden_SBH) if sequence_parallel(model) else norm(hidden_SBH)
 
 
+def predicting_hidden(model, last_hidden_1BH: torch.Tensor, hidden_SBH: torch.Tensor) -> torch.Tensor:
+    """Final hidden states ``[r, b, h]`` predicting each of ``r`` response tokens from the
+    decoder's output ``hidden_SBH`` at the response's own positions: row 0 from the prompt's last
+    position (its final-norm input ``last_hidden_1BH``, normed here, with grad for the norm),
+    rows 1.. from the response's first ``r - 1`` positions."""
+    first_1BH = final_norm(model, last_hidden_1BH.expand(-1, hidden_SBH.shape[1], -1))
+    return torch.cat([first_1BH, hidden_SBH[:-1]])
+
+
 def output_logits(model, hidden_SBH: torch.Tensor) -> torch.Tensor:
     """Logits ``[s, b, vocab / tp]`` (this rank's vocabulary shard)."""
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None

@@ -32,7 +32,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
 from megatron_longstraw.longstraw.context_parallel import context_parallel_group
 from megatron_longstraw.longstraw.model_steps import (
-    FinalNormInput, decode, embed, final_norm, loss_of, output_logits, response_logprobs, sequence_parallel)
+    FinalNormInput, decode, embed, loss_of, output_logits, predicting_hidden, response_logprobs, sequence_parallel)
 from megatron_longstraw.longstraw.state import PromptState
 
 
@@ -143,8 +143,8 @@ def score_logprobs_pp(model, state: PromptState, responses: Sequence[torch.Tenso
         if hidden_SBH is None:
             out.extend(torch.zeros(r.numel(), device=r.device) for r in chunk)
             continue
-        first_1BH = final_norm(model, state.last_hidden_1BH.expand(-1, ids_BR.shape[0], -1))
-        logprobs_RB = response_logprobs(model, torch.cat([first_1BH, hidden_SBH[:-1]]), ids_BR.t())
+        logprobs_RB = response_logprobs(model, predicting_hidden(model, state.last_hidden_1BH, hidden_SBH),
+                                        ids_BR.t())
         out.extend(logprobs_RB[: r.numel(), i].float() for i, r in enumerate(chunk))
     return out
 
@@ -191,9 +191,7 @@ def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Ten
         hidden_SBH = decode(model, hidden_SBH, offset)
         if not last:
             return hidden_SBH, None
-        # row 0 from the prompt's last position (final norm with grad), rows 1.. from the response
-        first_1BH = final_norm(model, state.last_hidden_1BH.expand(-1, ids_BR.shape[0], -1))
-        hidden_SBH = torch.cat([first_1BH, hidden_SBH[:-1]])
+        hidden_SBH = predicting_hidden(model, state.last_hidden_1BH, hidden_SBH)
 
         def loss_func(output_SBH):
             real = len(indices)

@@ -5,7 +5,7 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_longstraw.longstraw.binding import Mode, bind
-from megatron_longstraw.longstraw.model_steps import decode, embed, final_norm, loss_of, output_logits
+from megatron_longstraw.longstraw.model_steps import decode, embed, loss_of, output_logits, predicting_hidden
 from megatron_longstraw.longstraw.pipeline import pipeline_parallel, replay_responses_pp
 from megatron_longstraw.longstraw.state import PromptState
 
@@ -49,8 +49,7 @@ def replay_hidden(model, state: PromptState, response_ids_BR: torch.Tensor) -> t
     offset = state.prompt_length
     with bind(model, Mode.REPLAY, state, position_offset=offset):
         hidden_SBH = decode(model, embed(model, response_ids_BR, offset), offset)
-    first_1BH = final_norm(model, state.last_hidden_1BH.expand(-1, batch, -1))
-    return torch.cat([first_1BH, hidden_SBH[:-1]])
+    return predicting_hidden(model, state.last_hidden_1BH, hidden_SBH)
 
 
 def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor], loss_fn: LossFn,
