@@ -302,7 +302,7 @@ def test_tensor_and_context_parallel_checkpoint_resumes_at_tp1(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     path = _rollout_file(tmp_path)
     ckpt = tmp_path / "ckpt"
-    argv = ["--model", str(tmp_path / "config.json"), "--global-batch-size", "2", "--num-generations", "3",
+    argv = ["--model", str(tmp_path / "config.json"), "--global-batch-size", "1", "--num-generations", "3",
             "--wandb-mode", "disabled", "--wandb-save-dir", str(tmp_path / "w"), "--rollout-source", "jsonl",
             "--rollout-path", str(path), "--reward-fn", "exact_match", "--prompt-chunk-size", "16",
             "--replay-micro-batch-size", "2", "--lr", "1e-2"]

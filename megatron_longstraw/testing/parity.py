@@ -151,9 +151,13 @@ def assert_grads_match(got: dict, want: dict, bound: float, label: str = "") -> 
         assert rel <= bound, f"{label} {name}: relative gradient error {rel}"
 
 
-def tp_worker(hf: dict, tokens_BS, tp: int, reference_grads: dict, dtype=torch.float32):
-    """Run on each rank: TP=``tp`` logits plus the worst gradient error against TP=1 shards."""
+def tp_worker(cases: list, tp: int) -> list:
+    """Run on each rank: per case ``(hf, tokens_BS, reference_grads, dtype)`` the TP=``tp``
+    logits plus the worst gradient error against the TP=1 shards (one process group for all)."""
     init_distributed(ParallelSizes(tensor=tp), seed=1234)
-    logits, grads, model = logits_and_grads(hf, tokens_BS, dtype=dtype)
-    assert set(grads) == set(reference_grads), "TP changed which parameters get gradients"
-    return logits, max(tp_grad_errors(model, grads, reference_grads).values())
+    out = []
+    for hf, tokens_BS, reference_grads, dtype in cases:
+        logits, grads, model = logits_and_grads(hf, tokens_BS, dtype=dtype)
+        assert set(grads) == set(reference_grads), "TP changed which parameters get gradients"
+        out.append((logits, max(tp_grad_errors(model, grads, reference_grads).values())))
+    return out
