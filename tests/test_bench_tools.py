@@ -164,3 +164,13 @@ def test_trainer_capture_mfu_covers_both_families(monkeypatch):
             assert ("mfu/replay" in out) == preset.startswith("qwen")
     finally:
         destroy_distributed()
+
+
+def test_linear_fp8_bench_needs_a_gpu_and_transformer_engine():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_linear_fp8 import parse_args
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the tool runs (GPU host)")
+    with pytest.raises(ValueError, match="needs a CUDA GPU and Transformer Engine"):
+        parse_args(["--model", "qwen3.5-debug"])
