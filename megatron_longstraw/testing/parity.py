@@ -38,17 +38,34 @@ def bf16_and_fp32_models(preset: str, device: str = "cuda", transformer_impl: st
 
 def pipeline_global_names(model):
     """A function mapping this pipeline stage's parameter names to the whole model's
-    (``decoder.layers.{local}`` -> the global layer number)."""
+    (``decoder.layers.{local}`` -> the global layer number; with tied embeddings the last
+    stage's ``output_layer.weight`` is the embedding it shares)."""
     from megatron_longstraw.models.pipeline_stage import local_layer_ids
 
     ids = local_layer_ids(model.config)
+    tied = model.share_embeddings_and_output_weights
 
     def rename(name: str) -> str:
+        if tied and name == "output_layer.weight":
+            return "embedding.word_embeddings.weight"
         parts = name.split(".")
         if parts[:2] == ["decoder", "layers"]:
             parts[2] = str(ids[int(parts[2])])
         return ".".join(parts)
     return rename
+
+
+def sum_tied_embedding_grads(model) -> None:
+    """With tied embeddings split over pipeline stages (the first stage's embedding, the last
+    stage's output layer), add up their gradients over Megatron's embedding group, as the
+    trainer's ``finalize_model_grads`` does, so each holds the tied weight's whole gradient."""
+    from megatron.core import parallel_state
+
+    if not (model.share_embeddings_and_output_weights and parallel_state.get_pipeline_model_parallel_world_size() > 1
+            and parallel_state.is_rank_in_embedding_group()):
+        return
+    weight = model.shared_embedding_or_output_weight()
+    torch.distributed.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
 
 def grad_projections(model, rename=lambda name: name) -> dict:
