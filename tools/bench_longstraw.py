@@ -234,10 +234,9 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
             mbs = args.replay_micro_batch_size
             # one micro-batch measured alone (its activations: the floor's term); under PP the rest
             # then go through the pipeline schedule in one call, per micro-batch time its mean
-            for i in range(0, group, mbs) if args.pipeline_model_parallel_size == 1 else (0, mbs):
-                batch = responses[i:i + mbs] if i == 0 or args.pipeline_model_parallel_size == 1 else responses[mbs:]
-                if not batch:
-                    break
+            batches = ([responses[i:i + mbs] for i in range(0, group, mbs)] if args.pipeline_model_parallel_size == 1
+                       else [b for b in (responses[:mbs], responses[mbs:]) if b])
+            for i, batch in enumerate(batches):
                 t0 = time.perf_counter()
                 with meter if i == 0 else contextlib.nullcontext():
                     replay_responses(model, state, batch, loss_fn, mbs)

@@ -284,15 +284,15 @@ def sparse_latent_attention(query_SBNW: torch.Tensor, segments, topk_BSK: torch.
     positions (``-1``: none). Every query must have at least one selected key (it sees itself).
     Without autograd on CUDA, one or two adjacent segments run in the fused Triton kernel.
     """
-    seq, batch, heads, width = query_SBNW.shape
-    picks = topk_BSK.shape[-1]
-    rows = max(1, GATHER_ELEMENTS // max(1, batch * picks * (width + heads)))
     pages = [p for p, _ in segments]
     adjacent = all(a[1] + a[0].shape[0] == b[1] for a, b in zip(segments, segments[1:]))
     fused = _fused_attention(query_SBNW, pages, v_channels) if adjacent else None
     if fused:
         local_BSK = torch.where(topk_BSK >= 0, topk_BSK - segments[0][1], -1)
         return fused.sparse_latent_forward(query_SBNW, pages, local_BSK, scale, v_channels)[0].to(pages[0].dtype)
+    seq, batch, heads, width = query_SBNW.shape
+    picks = topk_BSK.shape[-1]
+    rows = max(1, GATHER_ELEMENTS // max(1, batch * picks * (width + heads)))
     block = functools.partial(_attend_block, tuple(first for _, first in segments), scale, v_channels)
     grad = torch.is_grad_enabled() and (query_SBNW.requires_grad or any(p.requires_grad for p in pages))
     outs = []
