@@ -11,9 +11,12 @@
 #       bash scripts/gpu_host.sh bench-cp N [bench args ...]   (N GPUs, context parallel size N)
 #       bash scripts/gpu_host.sh bench-pp N [bench args ...]   (N GPUs, N pipeline stages)
 #       bash scripts/gpu_host.sh train [train_grpo.py args ...]
+#       bash scripts/gpu_host.sh py SCRIPT [args ...]             (python3 with the host's paths)
 #       bash scripts/gpu_host.sh train-sweep "COMMON ARGS" NAME "ARGS" [NAME "ARGS" ...]
 #       bash scripts/gpu_host.sh train-reshard "COMMON ARGS" "FIRST LAYOUT" "RESUMED LAYOUT"
 #       bash scripts/gpu_host.sh batch NAME "COMMAND" [NAME "COMMAND" ...]
+#       bash scripts/gpu_host.sh queue-start NAME "COMMAND" [...]   (a batch that outlives the call)
+#       bash scripts/gpu_host.sh queue-wait [SECONDS]               (its progress so far, or its end)
 # Transformer Engine (../shared/offline-gpu/fetch-te.sh makes .te-1 ... .te-6 here): one call per
 # piece while the machine stays warm, carrying .te-N alone (each is up to 56 MiB):
 #       bash scripts/gpu_host.sh te-piece          (carry .te-1, then .te-2, ... .te-5)
@@ -33,6 +36,11 @@
 # "GPU_TESTS_SPREAD=0 GPU_HOST_TIMEOUT=200 bash scripts/gpu_host.sh run -s -k context_parallel"),
 # each with OUT=$OUT/NAME and its output in NAME.log, prints each one's tail, and returns them all
 # as $OUT/batch.tgz (a device call returns at most 8 files), plus the kernel cache pieces.
+# `queue-start` runs such a batch in its own process session from a snapshot of the tree, so it
+# goes on between calls while the machine stays warm (a call every < 30 s: e.g. the te-piece
+# calls); `queue-wait` waits up to SECONDS for its end and returns what it has so far as
+# $OUT/queue.tgz (logs and outputs), with the batch's archive and kernel cache once it ended.
+# An item that needs Transformer Engine starts with `bash scripts/gpu_host.sh te-wait SECONDS &&`.
 # `train-sweep` runs several train_grpo.py side by side (common args + each NAME's args), spread
 # round-robin over the visible GPUs, plots each, prints a table, and returns $OUT/train-sweep.tgz
 # (train-NAME/metrics.jsonl, log.txt, learning_curve.png).
@@ -123,6 +131,7 @@ case "${1:-}" in
   install-a) install .whl-a; echo "installed .whl-a into $site" ;;
   run) shift; prepare; gpu_tests "$@" ;;
   bench) shift; prepare; bench "$@" ;;
+  py) shift; prepare; timeout "$limit" python3 "$@" ;;
   bench-cp) shift; prepare; bench_parallel --context-parallel-size "$@" ;;
   bench-pp) shift; prepare; bench_parallel --pipeline-model-parallel-size "$@" ;;
   bench-with-tests)
@@ -135,7 +144,24 @@ case "${1:-}" in
     exit $status ;;
   install-b) install .whl-b; echo "installed .whl-b into $site" ;;
   te-piece) mkdir -p /tmp/te; for d in .te-[1-5]; do if [ -d "$d" ]; then cp "$d"/* /tmp/te/; fi; done; ls /tmp/te ;;
-  te-build) bash .te-6/build-te.sh ;;
+  te-build) bash .te-6/build-te.sh && touch /tmp/te-site/.ready ;;
+  te-wait)  # until te-build has finished (for queued items), at most $2 seconds
+    end=$((SECONDS + ${2:-600}))
+    until [ -f /tmp/te-site/.ready ]; do
+      [ $SECONDS -lt "$end" ] || { echo "Transformer Engine not built within ${2:-600} s" >&2; exit 1; }
+      sleep 5
+    done ;;
+  queue-start)
+    shift; q=/tmp/queue; rm -rf $q; mkdir -p $q/repo $q/out
+    tar c --exclude='./.te-*' --exclude='./.whl-*' --exclude=./.git . | tar x -C $q/repo
+    (cd $q/repo && OUT=$q/out setsid nohup bash scripts/gpu_host.sh batch "$@" >$q/queue.log 2>&1 </dev/null &)
+    echo "queue started: $(($# / 2)) items" ;;
+  queue-wait)
+    q=/tmp/queue; end=$((SECONDS + ${2:-540}))
+    until [ -f $q/out/batch.tgz ] || [ $SECONDS -ge "$end" ]; do sleep 5; done
+    tail -n 40 $q/queue.log
+    if [ -f $q/out/batch.tgz ]; then cp $q/out/batch.tgz $q/out/kernels.tgz.part-* "$out"/ 2>/dev/null || true
+    else (cd $q && tar czf "$out/queue.tgz" queue.log out); fi ;;
   train-sweep)
     shift; prepare
     common=${1:?usage: train-sweep "COMMON ARGS" NAME "ARGS" ...}; shift
@@ -167,7 +193,7 @@ case "${1:-}" in
       set -e
       tail -n 12 "$out/$name.log"
     done
-    rm -f "$out"/*/kernels.tgz.part-*
+    find "$out" -mindepth 2 -name 'kernels.tgz.part-*' -delete
     (cd "$out" && tar czf batch.tgz "${names[@]}" "${names[@]/%/.log}" && rm -rf "${names[@]}" "${names[@]/%/.log}")
     save_cache ;;
   train-reshard)
@@ -199,6 +225,6 @@ case "${1:-}" in
     python3 tools/plot_metrics.py "$out/train/metrics.jsonl" --keys reward/mean,entropy/mean \
       --output "$out/train/learning_curve.png" --title "train_grpo.py $*" || true
     exit "$status" ;;
-  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | te-piece | te-build | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | bench-pp N [args] | train [args] | train-sweep COMMON NAME ARGS ... | train-reshard COMMON FIRST RESUMED | batch NAME COMMAND ..." >&2
+  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | te-piece | te-build | te-wait S | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | bench-pp N [args] | py SCRIPT [args] | train [args] | train-sweep COMMON NAME ARGS ... | train-reshard COMMON FIRST RESUMED | batch NAME COMMAND ... | queue-start NAME COMMAND ... | queue-wait [S]" >&2
      exit 2 ;;
 esac
