@@ -106,6 +106,9 @@ gpu_tests() {  # pytest args; junit XML and log into $out, then the table
   if [ "$ngpu" -gt 1 ] && [ "${GPU_TESTS_SPREAD:-1}" = 1 ]; then
     spread=(-n "$ngpu" --dist loadfile); export LONGSTRAW_TEST_GPUS=$ngpu
   fi
+  # Megatron's torch.compile'd helpers run eagerly in the tests: each spawned rank would compile
+  # them anew for every shape (patches/no_compile.py); benchmarks and training keep them compiled
+  export LONGSTRAW_NO_COMPILE=1
   set +e
   timeout "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=15 "${spread[@]}" \
     --junitxml="$out/gpu-tests.xml" tests/gpu "$@" >"$out/gpu-tests.log" 2>&1
@@ -161,7 +164,7 @@ case "${1:-}" in
     until [ -f $q/out/batch.tgz ] || [ $SECONDS -ge "$end" ]; do sleep 5; done
     tail -n 40 $q/queue.log
     if [ -f $q/out/batch.tgz ]; then cp $q/out/batch.tgz $q/out/kernels.tgz.part-* "$out"/ 2>/dev/null || true
-    else (cd $q && tar czf "$out/queue.tgz" queue.log out); fi ;;
+    else (cd $q && tar czf "$out/queue.tgz" --exclude='kernels.tgz.part-*' queue.log out); fi ;;
   train-sweep)
     shift; prepare
     common=${1:?usage: train-sweep "COMMON ARGS" NAME "ARGS" ...}; shift
@@ -205,12 +208,12 @@ case "${1:-}" in
     # shellcheck disable=SC2086  # the args are word lists on purpose
     timeout "$limit" python3 -m torch.distributed.run --nproc_per_node "$ngpu" train_grpo.py $common $first \
       --save $ckpt --save-interval "$iters" --wandb-save-dir "$out/reshard/first" --log-interval 1 \
-      2>&1 | grep -v -i "warn\|deprecated" | grep -E "^step|Error|error|saved|iteration" | tail -n 20
+      2>&1 | tee "$out/reshard/first.log" | grep -v -i "warn\|deprecated" | grep -E "^step|Error|error|saved|iteration" | tail -n 20
     # shellcheck disable=SC2086
     timeout "$limit" python3 -m torch.distributed.run --nproc_per_node "$ngpu" train_grpo.py \
       ${common/--train-iters $iters/--train-iters $((iters + 2))} $resumed --load $ckpt --no-save \
       --wandb-save-dir "$out/reshard/resumed" --log-interval 1 \
-      2>&1 | grep -v -i "warn\|deprecated" | grep -E "^step|Error|error|load|iteration" | tail -n 20
+      2>&1 | tee "$out/reshard/resumed.log" | grep -v -i "warn\|deprecated" | grep -E "^step|Error|error|load|iteration" | tail -n 20
     status=${PIPESTATUS[0]}
     set -e
     exit "$status" ;;

@@ -9,21 +9,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 g="bash scripts/gpu_host.sh"
 q08="--model qwen3.5-0.8b --max-position-embeddings 2200000 --modes longstraw --group-sizes 8"
-glm="--model glm-5-mini --max-position-embeddings 1100000 --modes longstraw --group-sizes 8 --response-length 4096"
 train="--hf-config examples/configs/qwen3.5-retrieval-small.json --bf16 --synthetic-prompt-length 32768 \
 --synthetic-num-records 1 --max-response-length 4 --num-generations 8 --global-batch-size 8 \
 --replay-micro-batch-size 8 --lr 1e-3 --train-iters 3"
 te="--transformer-impl transformer_engine"
 exec $g queue-start \
-  cp-test "GPU_TESTS_SPREAD=0 GPU_HOST_TIMEOUT=300 LONGSTRAW_WORKER_STACKS_AFTER=280 $g run -s -o faulthandler_timeout=270 -k context_parallel" \
-  cp2-512k "GPU_HOST_TIMEOUT=240 $g bench-cp 2 $q08 --prompt-lengths 524288 --warmup-prompt-length 524288 --tag cp2-512k" \
-  glm-cp2-1m "GPU_HOST_TIMEOUT=500 $g bench-cp 2 $glm --warmup-prompt-length 4096 --prompt-lengths 1048576 --tag cp2-1m" \
-  pp-test "GPU_TESTS_SPREAD=0 GPU_HOST_TIMEOUT=300 LONGSTRAW_WORKER_STACKS_AFTER=280 $g run -s -o faulthandler_timeout=270 -k pipeline_parallel" \
-  pp2-512k "GPU_HOST_TIMEOUT=240 $g bench-pp 2 $q08 --prompt-lengths 524288 --tag pp2-512k" \
-  reshard "GPU_HOST_TIMEOUT=150 $g train-reshard \"$train\" '--tensor-model-parallel-size 2' '--pipeline-model-parallel-size 2'" \
-  dsa-te-tests "CUDA_VISIBLE_DEVICES=0 GPU_TESTS_SPREAD=0 GPU_HOST_TIMEOUT=200 OUT=\$OUT/dsa $g run -k 'sparse_mla or float_and_packed' & \
+  reshard "GPU_HOST_TIMEOUT=200 $g train-reshard \"$train\" '--tensor-model-parallel-size 2' '--pipeline-model-parallel-size 2'" \
+  pp-test "GPU_TESTS_SPREAD=0 GPU_HOST_TIMEOUT=400 LONGSTRAW_WORKER_STACKS_AFTER=330 $g run -s -o faulthandler_timeout=380 -k pipeline_parallel" \
+  dsa-te-tests "CUDA_VISIBLE_DEVICES=0 GPU_TESTS_SPREAD=0 GPU_HOST_TIMEOUT=250 OUT=\$OUT/dsa $g run -k 'dsa and not transformer_engine' & \
 $g te-wait 400 && CUDA_VISIBLE_DEVICES=1 GPU_TESTS_SPREAD=0 GPU_HOST_TIMEOUT=300 OUT=\$OUT/te $g run -k transformer_engine; wait" \
-  te-bench "$g te-wait 60 && { CUDA_VISIBLE_DEVICES=0 GPU_HOST_TIMEOUT=300 $g bench $q08 --prompt-lengths 524288 $te --tag te-bf16-512k; \
-CUDA_VISIBLE_DEVICES=0 GPU_HOST_TIMEOUT=300 $g bench $q08 --prompt-lengths 524288 $te --fp8-format hybrid --tag te-fp8-512k; } & \
+  te-bench "$g te-wait 60 && { CUDA_VISIBLE_DEVICES=0 GPU_HOST_TIMEOUT=300 $g bench $q08 --prompt-lengths 524288 $te --fp8-format hybrid --tag te-fp8-512k; \
+CUDA_VISIBLE_DEVICES=0 GPU_HOST_TIMEOUT=300 $g bench $q08 --prompt-lengths 524288 $te --fp8-format hybrid --fp8-recipe tensorwise --tag te-fp8cs-512k; } & \
 { CUDA_VISIBLE_DEVICES=1 GPU_HOST_TIMEOUT=300 $g bench $q08 --prompt-lengths 524288 --tag local-512k; \
-CUDA_VISIBLE_DEVICES=1 $g py tools/bench_linear_fp8.py --model qwen3.5-0.8b --tokens 32768 --fp8-format hybrid --output-dir \$OUT/bench --tag 0.8b; } ; wait"
+for n in 32768 131072; do CUDA_VISIBLE_DEVICES=1 $g py tools/bench_linear_fp8.py --model qwen3.5-0.8b --tokens \$n --fp8-format hybrid --output-dir \$OUT/bench --tag 0.8b-\$n; done; } ; wait" \
+  cp2-512k "GPU_HOST_TIMEOUT=240 $g bench-cp 2 $q08 --prompt-lengths 524288 --warmup-prompt-length 524288 --prompt-chunk-size 65536 --tag cp2-512k-c64k"

@@ -163,3 +163,26 @@ def test_megatron_optimizer_on_cpu_equals_torch_adamw_with_clipping(single_proce
             _megatron_adam_step(model, clip_grad=1.0)
     finally:
         patches._module("cpu_optimizer_device").apply()
+
+
+def test_no_compile_patch_on_cpu_or_when_asked(monkeypatch):
+    """Dynamo is off on CPU, and on a GPU only when ``LONGSTRAW_NO_COMPILE=1`` (the GPU test
+    tier); apply/revert switch torch's own setting."""
+    import torch._dynamo
+
+    from megatron_longstraw.patches import no_compile
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("LONGSTRAW_NO_COMPILE", raising=False)
+    assert not no_compile.needed()
+    monkeypatch.setenv("LONGSTRAW_NO_COMPILE", "1")
+    assert no_compile.needed()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LONGSTRAW_NO_COMPILE")
+    assert no_compile.needed()
+    before = torch._dynamo.config.disable
+    no_compile.apply()
+    assert torch._dynamo.config.disable is True
+    no_compile.revert()
+    assert torch._dynamo.config.disable == no_compile._ORIGINAL
+    torch._dynamo.config.disable = before

@@ -159,7 +159,9 @@ def capture_split(model, hf, times: dict):
             return out
         return wrapper
 
-    originals = {n: getattr(glm5_layers, n) for n in ("index_topk_blockwise", "sparse_latent_attention")}
+    parts = {"index_topk_blockwise": "indexer", "cp_index_topk": "indexer",  # CP=1 and CP>1 paths
+             "sparse_latent_attention": "sparse_attention", "cp_sparse_latent_attention": "sparse_attention"}
+    originals = {n: getattr(glm5_layers, n) for n in parts}
     starts, hooks = {}, []
 
     def before_moe(module, args):
@@ -174,8 +176,8 @@ def capture_split(model, hf, times: dict):
         if isinstance(module, MoELayer):
             hooks += [module.register_forward_pre_hook(before_moe), module.register_forward_hook(after_moe)]
     try:
-        glm5_layers.index_topk_blockwise = timed("indexer", originals["index_topk_blockwise"])
-        glm5_layers.sparse_latent_attention = timed("sparse_attention", originals["sparse_latent_attention"])
+        for name, part in parts.items():
+            setattr(glm5_layers, name, timed(part, originals[name]))
         yield
     finally:
         for name, fn in originals.items():

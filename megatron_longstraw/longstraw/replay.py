@@ -8,6 +8,7 @@ from megatron_longstraw.longstraw.binding import Mode, bind
 from megatron_longstraw.longstraw.model_steps import decode, embed, loss_of, output_logits, predicting_hidden
 from megatron_longstraw.longstraw.pipeline import pipeline_parallel, replay_responses_pp
 from megatron_longstraw.longstraw.state import PromptState
+from megatron_longstraw.models.fp8 import calibrate_gradient_scales, gradient_scales_uncalibrated
 
 # loss_fn(logprobs_RB, mask_RB, sample_indices) -> scalar; summed over micro-batches, so it must be
 # a sum of per-sample terms with any normalization fixed for the whole group. A loss with a true
@@ -59,10 +60,13 @@ def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor
     Gradients accumulate in the parameters; each micro-batch's graph is freed before the next.
     Returns each micro-batch's loss.
     """
-    if pipeline_parallel():  # Megatron's schedule, one micro-batch per micro_batch_size responses
-        return replay_responses_pp(model, state, responses, loss_fn, micro_batch_size)
     if micro_batch_size < 1:
         raise ValueError(f"--replay-micro-batch-size must be >= 1, got {micro_batch_size}")
+    if gradient_scales_uncalibrated(model):  # FP8 delayed scaling: a model's first backward (models/fp8.py)
+        calibrate_gradient_scales(model, lambda: replay_responses(
+            model, state, responses[:micro_batch_size], loss_fn, micro_batch_size))
+    if pipeline_parallel():  # Megatron's schedule, one micro-batch per micro_batch_size responses
+        return replay_responses_pp(model, state, responses, loss_fn, micro_batch_size)
     losses = []
     for start in range(0, len(responses), micro_batch_size):
         indices = list(range(start, min(start + micro_batch_size, len(responses))))

@@ -59,8 +59,10 @@ _TE_FUSED_NORMS = (
 )
 
 
-def _local_name(name: str, params: dict) -> str:
-    """Map a local-spec parameter name onto the model's own (TE fused-norm) name."""
+def spec_param_name(name: str, params: dict) -> str:
+    """Map a local-spec parameter name onto the name it has among ``params`` (a model's
+    ``named_parameters()``; with the Transformer Engine spec the norms are fused into the
+    following linear layer)."""
     if name in params:
         return name
     for suffix, fused in _TE_FUSED_NORMS:
@@ -142,7 +144,7 @@ def load_full_state_dict(model: GPTModel, full: dict[str, torch.Tensor]) -> None
         local = _expert_local_name(name, model.config)
         if local is None:
             continue  # an expert of another EP rank
-        target = _local_name(local, params)
+        target = spec_param_name(local, params)
         if target not in params and target not in buffers:
             raise ValueError(f"weight {name!r} has no parameter in the model")
         param = params[target] if target in params else buffers[target]

@@ -9,13 +9,14 @@ package monkeypatches Megatron. Current patches:
   token's selection does not depend on how many tokens follow it (exact prompt state).
 - ``dsa_promote_precision`` (everywhere): DSA's unfused math in ``promote(dtype, fp32)`` instead
   of fp32 (fp64 models stay fp64; no change below fp64).
+- ``no_compile`` (CPU, or a GPU process with ``LONGSTRAW_NO_COMPILE=1``: the GPU test tier):
+  Megatron's ``torch.compile``'d helpers run eagerly.
 
 CPU-only (a GPU host applies none of these):
 
 - ``cpu_current_device``: ``torch.cuda.current_device()`` -> cpu (Megatron allocates with it).
 - ``cpu_rng_tracker``: Megatron's CUDA RNG-states tracker on the CPU generator.
 - ``cpu_gated_delta_kernels``: GDN's fla Triton kernels -> pure-torch kernels.
-- ``cpu_no_compile``: Megatron's ``torch.compile``'d helpers run eagerly.
 - ``cpu_moe_alltoall``: the all-to-all MoE token dispatcher without CUDA streams (EP > 1).
 - ``cpu_cuda_synchronize``: ``torch.cuda.synchronize()`` a no-op (Megatron's checkpoint writer).
 - ``cpu_tensor_cuda``: ``Tensor.cuda()`` the identity (tied embeddings across pipeline stages).
@@ -35,7 +36,7 @@ PATCHES = (
     "cpu_current_device",
     "cpu_rng_tracker",
     "cpu_gated_delta_kernels",
-    "cpu_no_compile",
+    "no_compile",
     "cpu_moe_alltoall",
     "cpu_cuda_synchronize",
     "cpu_tensor_cuda",

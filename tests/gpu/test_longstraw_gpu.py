@@ -8,6 +8,7 @@ from megatron_longstraw.attention.prefix_attention_cuda import prefix_causal_att
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_responses
 from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
+from megatron_longstraw.models.builder import spec_param_name
 from megatron_longstraw.models.options import have_transformer_engine
 from megatron_longstraw.patches import cpu_gated_delta_kernels as torch_gdn_kernels
 from megatron_longstraw.testing.parity import bf16_and_fp32_models, forward_logits
@@ -109,8 +110,9 @@ def test_capture_replay_bf16_matches_full_graph(single_process, record_property,
     def loss_fn(logprobs_RB, mask_RB, indices):
         return -(logprobs_RB * mask_RB).sum() / 331
 
-    def grads(m):
-        out = {n: p.grad.float().clone() for n, p in m.named_parameters()}
+    def grads(m):  # by local-spec name (the TE spec fuses the norms into the next linear)
+        params = dict(m.named_parameters())
+        out = {n: params[spec_param_name(n, params)].grad.float().clone() for n, _ in model32.named_parameters()}
         m.zero_grad(set_to_none=True)
         return out
 
