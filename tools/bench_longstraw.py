@@ -82,8 +82,6 @@ def parse_args(argv=None):
     if args.pipeline_model_parallel_size > 1 and "full" in args.modes:
         raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the full-graph "
                          "mode runs on one rank; use --modes longstraw")
-    if args.pipeline_model_parallel_size > 1 and args.context_parallel_size > 1:
-        raise ValueError("--pipeline-model-parallel-size and --context-parallel-size together are not supported")
     return args
 
 

@@ -57,6 +57,11 @@ multiplies its loss by ``cp`` because there each rank sees only a shard of the t
   partials by log-sum-exp, queries travelling as for full attention. Decoding GLM-5 under CP is
   not supported yet (``ValueError``: sample elsewhere, ``--rollout-source jsonl``).
 
+With pipeline parallelism, each stage captures its layers for its CP shard of every chunk and
+hands the shard's hidden states to the next stage of the same CP rank; replay, scoring and
+decoding go through the stages as without CP (``longstraw/pipeline.py``), each stage's attention
+merging over its CP group.
+
 Not yet under CP: prompt batches larger than one, GLM-5 decoding, and the full-graph baseline
 (``Mode.REFERENCE``); each raises ``ValueError``.
 """
@@ -139,11 +144,13 @@ def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
 
     Call on every CP rank with the same ``prompt_ids_BS`` (batch 1). The returned state holds
     this rank's pages, the (replicated) Gated DeltaNet state after the whole prompt, and the last
-    prompt position's hidden state and logits (broadcast from the last CP rank).
+    prompt position's hidden state and logits (broadcast from the last CP rank). Under pipeline
+    parallelism too, each stage's shard passes to the next stage of the same CP rank
+    (``pipeline.run_stages``); the last position's hidden state and logits are on the last stage.
     """
     from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
-    from megatron_longstraw.longstraw.model_steps import (
-        FinalNormInput, decode, embed, output_logits, sequence_parallel)
+    from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, output_logits, sequence_parallel
+    from megatron_longstraw.longstraw.pipeline import check_pipeline, pipeline_parallel, run_stages
     from megatron_longstraw.longstraw.state import PromptState
 
     group = context_parallel_group()
@@ -155,6 +162,9 @@ def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     batch, length = prompt_ids_BS.shape
     if batch != 1:
         raise ValueError(f"--context-parallel-size {cp}: capture needs a prompt batch of 1, got {batch}")
+    if pipeline_parallel():
+        check_pipeline(model)
+    last_stage = parallel_state.is_pipeline_last_stage()
     plan = shard_plan(length, chunk_size, cp)
     local_length = sum(sizes[rank] for _, sizes in plan)
     state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
@@ -164,17 +174,19 @@ def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
         state.layers[name] = module.new_prompt_state(local_length, batch, prompt_ids_BS.device)
         if hasattr(state.layers[name], "positions_P"):  # layers whose attention needs positions (DSA)
             state.layers[name].positions_P = page_positions_P
-    final_norm = FinalNormInput(model)
+    final_norm = FinalNormInput(model) if last_stage else None
     try:
         for chunk_start, sizes in plan:
             start = chunk_start + sum(sizes[:rank])
             ids = prompt_ids_BS[:, start:start + sizes[rank]]
             with bind(model, Mode.CAPTURE, state, position_offset=start, shard_sizes=sizes):
-                hidden_SBH = decode(model, embed(model, ids, start), start)
+                hidden_SBH = run_stages(model, ids, start, lambda h: decode(model, h, start))
             if progress is not None:
                 progress(sum(sizes))
     finally:
-        final_norm.remove()
-    state.last_hidden_1BH = broadcast_from_last(final_norm.last_row_1BH, group)
-    state.last_logits_BV = broadcast_from_last(output_logits(model, hidden_SBH[-1:])[0], group)
+        if final_norm is not None:
+            final_norm.remove()
+    if last_stage:
+        state.last_hidden_1BH = broadcast_from_last(final_norm.last_row_1BH, group)
+        state.last_logits_BV = broadcast_from_last(output_logits(model, hidden_SBH[-1:])[0], group)
     return state

@@ -17,8 +17,10 @@ prompt state of those layers only.
   stage computing logits and log-probs. Whatever only the last stage computes (sampled tokens,
   a group's metrics) reaches the other stages with ``from_last_stage``.
 
-Not yet combined with sequence or context parallelism, nor with virtual pipeline stages (one
-model chunk per stage); refused with a clear error.
+With context parallelism the capture is ``context_parallel.capture_prompt_cp`` (each stage passes
+its CP shard of every chunk on through ``run_stages``); replay, scoring and decoding are these
+functions unchanged. Not yet combined with sequence parallelism, nor with virtual pipeline stages
+(one model chunk per stage); refused with a clear error.
 """
 
 import math
@@ -30,7 +32,6 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
-from megatron_longstraw.longstraw.context_parallel import context_parallel_group
 from megatron_longstraw.longstraw.model_steps import (
     FinalNormInput, decode, embed, loss_of, output_logits, predicting_hidden, response_logprobs, sequence_parallel)
 from megatron_longstraw.longstraw.state import PromptState
@@ -49,9 +50,6 @@ def check_pipeline(model) -> None:
     if sequence_parallel(model):
         raise ValueError(f"--sequence-parallel with --pipeline-model-parallel-size {pp} is not supported by "
                          "LongStraw capture/replay yet")
-    if context_parallel_group() is not None:
-        raise ValueError(f"--context-parallel-size > 1 with --pipeline-model-parallel-size {pp} is not "
-                         "supported by LongStraw capture/replay yet")
 
 
 def _stage_input(model, shape, device) -> Optional[torch.Tensor]:
@@ -201,13 +199,16 @@ def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Ten
         return hidden_SBH, loss_func
 
     config = model.config
+    # the schedule sizes its transfers as a sequence sharded over CP (length // cp); LongStraw's
+    # responses are whole on every CP rank
+    cp = parallel_state.get_context_parallel_world_size()
     saved = config.calculate_per_token_loss
     config.calculate_per_token_loss = True  # the loss is already normalized: no division by micro-batches
     try:
         with bind(model, Mode.REPLAY, state, position_offset=offset):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                num_microbatches=len(batches), seq_length=length, micro_batch_size=micro_batch_size,
+                num_microbatches=len(batches), seq_length=length * cp, micro_batch_size=micro_batch_size,
                 forward_only=False)
     finally:
         config.calculate_per_token_loss = saved

@@ -210,9 +210,6 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         if args.replay_mode != "longstraw":
             raise ValueError(f"--pipeline-model-parallel-size {pp} needs --replay-mode longstraw (the "
                              "full-graph baseline has no pipeline path)")
-        if args.parallel.context > 1:
-            raise ValueError(f"--pipeline-model-parallel-size {pp} with --context-parallel-size "
-                             f"{args.parallel.context} is not supported yet")
         if args.sequence_parallel:
             raise ValueError(f"--pipeline-model-parallel-size {pp} with --sequence-parallel is not supported yet")
     if args.parallel.context > 1 and args.replay_mode != "longstraw":
