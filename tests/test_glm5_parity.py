@@ -11,6 +11,7 @@ from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import PRESETS
 from megatron_longstraw.testing.hf_reference import build_hf_model, hf_model_class
 from megatron_longstraw.testing.multiprocess import run_multiprocess
+from megatron_longstraw.testing.parity import max_rel_error
 
 SEQ = 48  # > 5 x index_topk (8): DSA drops most keys of late queries
 
@@ -237,14 +238,63 @@ def test_tensor_parallel_2_matches_tp_1(single_process):
         assert worst_grad <= 1e-5, worst_grad
 
 
+def _replay_logits_and_grads(hf):
+    """LongStraw on the current parallel state: replay logits (fp32) of one response after a
+    chunked capture, and the fp64 replay gradients of two responses by global parameter name
+    (a routed expert's local index on its EP rank mapped back to its global one)."""
+    import re
+
+    from megatron.core import parallel_state
+
+    from megatron_longstraw.longstraw.capture import capture_prompt
+    from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
+
+    prompt, responses = _tokens(1, 40, seed=3), [_tokens(1, n, seed=10 + n)[0] for n in (9, 6)]
+    model = _megatron_from_hf(hf, build_hf_model(hf, seed=1))
+    with torch.no_grad():
+        logits = replay_logits(model, capture_prompt(model, prompt, 16), responses[0][None])[:, 0]
+    model = _megatron_from_hf(hf, build_hf_model(hf, seed=1).double(), ModelOptions(params_dtype=torch.float64))
+    with torch.no_grad():
+        state = capture_prompt(model, prompt, 16)
+    replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / 15, micro_batch_size=1)
+    per_rank = model.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+    first = parallel_state.get_expert_model_parallel_rank() * per_rank
+
+    # Megatron's DDP scales an expert's gradient by 1 / (DP x CP) and sums it over the expert's
+    # data-parallel group (size 1 here); every rank's tokens reach the expert, so without that
+    # scaling its gradient is DP x CP times EP=1's
+    expert_scale = 1.0 / parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+    def global_name(name):
+        match = re.fullmatch(r"(.*\.local_experts\.)(\d+)(\..*)", name)
+        return name if match is None else f"{match[1]}{first + int(match[2])}{match[3]}"
+    return logits, {global_name(n): p.grad * (expert_scale if ".local_experts." in n else 1.0)
+                    for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _ep_worker(hf):
+    return _parallel_logits(hf, 1, 2), *_replay_logits_and_grads(hf)
+
+
 def test_expert_parallel_2_matches_ep_1(single_process):
+    """EP=2 (all-to-all dispatcher, both ranks on the same tokens): the full forward's logits, and
+    LongStraw's replay logits and gradients (every rank's dense ones, each expert's on its owner)
+    equal EP=1's."""
     hf = _debug_config()
     reference = _parallel_logits(hf, 1, 1)
-    results = run_multiprocess(_parallel_logits, 2, hf, 1, 2)
-    for logits in results:
+    ref_replay, ref_grads = _replay_logits_and_grads(hf)
+    results = run_multiprocess(_ep_worker, 2, hf)
+    experts = set()
+    for logits, replay, grads in results:
         diff = (logits - reference).abs().max().item()
         print(f"GLM-5 debug: EP=2 vs EP=1 max abs logit diff {diff:.3e}")
         assert diff <= 1e-5, diff
+        assert (replay - ref_replay).abs().max().item() <= 1e-5
+        assert set(grads) <= set(ref_grads)
+        for name, grad in grads.items():
+            assert max_rel_error(grad, ref_grads[name]) <= 1e-10, name
+        experts |= {n for n in grads if ".local_experts." in n}
+    assert experts == {n for n in ref_grads if ".local_experts." in n}  # every expert on one rank
 
 
 def test_hf_reference_class_is_glm_moe_dsa():

@@ -11,7 +11,8 @@ import torch
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
 from megatron_longstraw.testing.parity import (
-    assert_grads_match, pipeline_global_names, random_tokens, seeded_model, sum_tied_embedding_grads)
+    assert_grads_match, pipeline_global_names, random_tokens, reduce_tp_grads, seeded_model, sum_tied_embedding_grads,
+    tp_grad_errors)
 
 PROMPT, CHUNK, RESPONSES, MICRO = 21, 8, (9, 4, 6), 2
 
@@ -29,26 +30,33 @@ def _nll(total_tokens):
     return loss_fn
 
 
-def _run(hf):
-    """Capture (fp32): the state per layer and the last logits; replay (fp64): losses and grads."""
+def _run(hf, reference_grads=None, sequence_parallel=False):
+    """Capture (fp32): the state per layer and the last logits; replay (fp64): losses and grads.
+    With ``reference_grads`` (TP > 1): per parameter, the error against this rank's shard of the
+    one-rank gradient instead of the gradients (after Megatron's TP reduction of replicated ones)."""
     from megatron.core import parallel_state
 
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.replay import replay_responses
 
-    model = seeded_model(hf, torch.float32)
+    model = seeded_model(hf, torch.float32, sequence_parallel=sequence_parallel)
     rename = pipeline_global_names(model)
     with torch.no_grad():
         state = capture_prompt(model, random_tokens(hf, PROMPT, 1), CHUNK)
     out = {"layers": {rename(n): {f: t.clone() for f, t in s.tensors().items()} for n, s in state.layers.items()},
            "last_logits": None if state.last_logits_BV is None else state.last_logits_BV.clone()}
-    model = seeded_model(hf, torch.float64)
+    # the replay's loss is vocab-parallel: under TP the model keeps its logits' vocabulary shard
+    model = seeded_model(hf, torch.float64, parallel_output=True, sequence_parallel=sequence_parallel)
     responses = [random_tokens(hf, n, 10 + n)[0] for n in RESPONSES]
     with torch.no_grad():
         state = capture_prompt(model, random_tokens(hf, PROMPT, 1), CHUNK)
     out["losses"] = replay_responses(model, state, responses, _nll(sum(RESPONSES)), micro_batch_size=MICRO)
     sum_tied_embedding_grads(model)
     out["grads"] = {rename(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if reference_grads is not None:
+        reduce_tp_grads(model)
+        local = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        out["grad_errors"] = tp_grad_errors(model, local, {n: reference_grads[rename(n)] for n in local})
     out["last_stage"] = parallel_state.is_pipeline_last_stage()
     return out
 
@@ -103,41 +111,74 @@ def test_pp2_replay_through_the_schedule_matches_pp1(runs, preset):
 
 
 
-def _pp_cp_worker(hfs):
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+LAYOUTS = ("cp2", "tp2-sp")
+
+
+def _pp_layouts_worker(hfs, reference_grads):
+    """Each layout of ``LAYOUTS`` in turn in this rank (one spawn for both; a store port each)."""
+    import os
+
+    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
-    init_distributed(ParallelSizes(pipeline=2, context=2), seed=1234)
-    return {name: _run(hf) for name, hf in hfs.items()}
+    base, out = int(os.environ["MASTER_PORT"]), {}
+    for i, layout in enumerate(LAYOUTS):
+        os.environ["MASTER_PORT"] = str(base + i)
+        sizes = ParallelSizes(pipeline=2, context=2) if layout == "cp2" else ParallelSizes(pipeline=2, tensor=2)
+        init_distributed(sizes, seed=1234)
+        try:
+            tp = sizes.tensor > 1
+            out[layout] = {name: _run(hf, reference_grads[name] if tp else None, sequence_parallel=tp)
+                           for name, hf in hfs.items()}
+        finally:
+            destroy_distributed()
+    return out
 
 
-def test_pp2_with_cp2_matches_one_rank(runs):
-    """PP=2 x CP=2 (four gloo ranks): each stage captures its CP shard of every chunk and hands it
-    to the next stage of the same CP rank; replay through the schedule merges each stage's
-    attention over its CP group. Losses (last stage) and every rank's gradients (each CP rank
-    holds the whole CP=1 gradient of its stage) equal one rank's, for both families."""
+@pytest.fixture(scope="module")
+def layout_runs(runs):
     reference, _ = runs
     hfs = {name: hf for name, hf in _hfs().items() if name != "qwen3.5-debug-tied"}
-    ranks = run_multiprocess(_pp_cp_worker, 4, hfs)
+    return hfs, run_multiprocess(_pp_layouts_worker, 4, hfs, {name: reference[name]["grads"] for name in hfs})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pp2_with_cp2_or_sequence_parallel_matches_one_rank(runs, layout_runs, layout):
+    """PP=2 x CP=2 and PP=2 x TP=2 with sequence parallelism (four gloo ranks each). Under CP each
+    stage captures its CP shard of every chunk and hands it to the next stage of the same CP rank,
+    and replay merges each stage's attention over its CP group; under SP the stages pass whole
+    slices and each decoder runs on its sequence shard. Losses (last stage), the last prompt
+    logits, and the gradients (each CP rank holds the whole CP=1 gradient of its stage, each TP
+    rank its shard of it) equal one rank's, for both families."""
+    reference, _ = runs
+    hfs, spawned = layout_runs
+    ranks = [rank[layout] for rank in spawned]
     for preset in hfs:
         ref = reference[preset]
         last = [rank[preset] for rank in ranks if rank[preset]["last_stage"]]
-        assert len(last) == 2  # the last stage's two CP ranks
+        assert len(last) == 2  # the last stage's two CP (TP) ranks
         for got in last:
             assert (got["last_logits"] - ref["last_logits"]).abs().max().item() <= 1e-5
             for loss, want in zip(got["losses"], ref["losses"], strict=True):
                 assert abs(loss - want) <= 1e-10 * max(1.0, abs(want))
-        for cp_rank in range(2):  # Megatron's rank order: CP inside PP, so ranks (0, 2) and (1, 3)
-            grads = {}
-            for rank in ranks[cp_rank::2]:
-                grads.update(rank[preset]["grads"])
+        # Megatron's rank order puts TP and CP inside PP: the stages are ranks (0, 1) and (2, 3)
+        for inner in range(2):
+            stages = ranks[inner::2]
+            assert {n for r in stages for n in r[preset]["grads"]} == set(ref["grads"])
+            if layout == "tp2-sp":  # each TP rank against its shard of the one-rank gradient
+                # fp64; TP splits the Gated DeltaNet heads' sums, and the conv, A_log and dt_bias
+                # gradients nearly cancel (worst measured 3.6e-8, the conv weight): the issue's
+                # TP bound is 1e-5, this keeps a margin below it
+                worst = max(e for r in stages for e in r[preset]["grad_errors"].values())
+                assert worst <= 1e-6, (preset, inner, worst)
+                continue
+            grads = {n: g for r in stages for n, g in r[preset]["grads"].items()}
             # fp64; the CP merges sum in another order (worst measured: 2.4e-9, GLM's final norm)
-            assert_grads_match(grads, ref["grads"], 1e-8, preset)
+            assert_grads_match(grads, ref["grads"], 1e-8, f"{layout} {preset}")
 
 
 @pytest.mark.parametrize("extra,needle", [
     (["--replay-mode", "full"], "needs --replay-mode longstraw"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "with --sequence-parallel is not supported"),
     (["--pipeline-model-parallel-size", "3"], "world size 4 is not divisible"),
 ])
 def test_pipeline_bad_flag_combinations_name_the_flags(extra, needle):

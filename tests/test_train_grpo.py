@@ -193,68 +193,97 @@ def _rollout_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_data_parallel_step_equals_one_process_on_the_same_global_batch(tmp_path):
+def _tp_cp_config(folder: Path) -> Path:
+    """qwen3.5-debug with 4 Gated DeltaNet key heads (Megatron wants them divisible by TP x CP)."""
+    from megatron_longstraw.models.presets import resolve_hf_config
+
+    config = {**resolve_hf_config("qwen3.5-debug"), "linear_num_key_heads": 4, "linear_num_value_heads": 4}
+    config.pop("_source")
+    path = folder / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+AGGREGATIONS = ("token", "sequence")
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """Every multi-process trainer run of this module, in three spawns: two ranks (DP=2, CP=2,
+    PP=2), four ranks (TP=2 x CP=2), then one rank (the one-process references and the resumes
+    from the multi-rank checkpoints); each run on a store port of its own
+    (``trainer_runs.train_workers``). ``{name: [result per rank]}``."""
+    from megatron_longstraw.testing.multiprocess import run_multiprocess
+    from megatron_longstraw.testing.trainer_runs import train_workers
+
+    tmp = tmp_path_factory.mktemp("spawned")
+    rollouts = str(_rollout_file(tmp))
+    quiet = ["--wandb-mode", "disabled", "--wandb-save-dir", str(tmp / "w")]
+    external = ["--rollout-source", "jsonl", "--rollout-path", rollouts, "--reward-fn", "exact_match"]
+    internal = ["--synthetic-prompt-length", "37", "--max-response-length", "5", "--lr", "1e-2",
+                "--reward-fn", "reward_fixtures:low_token_fraction"]
+    one_step = ["--train-iters", "1", "--num-generations", "3", "--no-save", *quiet, "--prompt-chunk-size", "16",
+                "--replay-micro-batch-size", "2"]
+    dp = {f"dp-{a}": one_step + ["--global-batch-size", "2", *external, "--loss-aggregation", a] for a in AGGREGATIONS}
+    cp = {"cp-external": one_step + ["--global-batch-size", "2", *external],
+          "cp-internal": one_step + ["--global-batch-size", "1", *internal]}
+    pp = ["--global-batch-size", "1", "--num-generations", "3", "--synthetic-prompt-length", "37",
+          "--prompt-chunk-size", "16", "--max-response-length", "5", "--replay-micro-batch-size", "2",
+          "--lr", "1e-2", "--entropy-coef", "0.01", *quiet, "--reward-fn", "reward_fixtures:low_token_fraction"]
+    tp_cp = ["--model", str(_tp_cp_config(tmp)), "--global-batch-size", "1", "--num-generations", "3", *quiet,
+             *external, "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2", "--lr", "1e-2"]
+    layout = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
+    spawns = [
+        (2, {**dp, **{name: argv + ["--context-parallel-size", "2"] for name, argv in cp.items()},
+             "pp2": pp + ["--pipeline-model-parallel-size", "2", "--train-iters", "3", "--save", str(tmp / "pp"),
+                          "--save-interval", "2"]}),
+        (4, {"tp-cp-save": tp_cp + layout + ["--train-iters", "2", "--save", str(tmp / "tp-cp")],
+             "tp-cp-resumed": tp_cp + layout + ["--train-iters", "3", "--load", str(tmp / "tp-cp"), "--no-save"]}),
+        (1, {**{f"{name}-single": argv for name, argv in {**dp, **cp}.items()},
+             "tp-cp-at-1": tp_cp + ["--train-iters", "3", "--load", str(tmp / "tp-cp"), "--no-save"],
+             "pp-at-1": pp + ["--train-iters", "3", "--load", str(tmp / "pp" / "iter_0000002"), "--no-save"]}),
+    ]
+    out = {}
+    for world, runs in spawns:
+        ranks = run_multiprocess(train_workers, world, list(runs.values()))
+        out.update({name: [rank[i] for rank in ranks] for i, name in enumerate(runs)})
+    return out, Path(rollouts)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_data_parallel_step_equals_one_process_on_the_same_global_batch(spawned, aggregation):
     """DP=2 (one group per rank, DDP averaging) vs one process with both groups, for token and
     sequence aggregation: the same loss and gradient norm, hence the same normalization (groups
     of different lengths)."""
     from megatron_longstraw.grpo.advantages import group_advantages
-    from megatron_longstraw.testing.multiprocess import run_multiprocess
-    from megatron_longstraw.testing.trainer_runs import train_workers
 
-    path = _rollout_file(tmp_path)
-    aggregations = ("token", "sequence")
-    argvs = [["--train-iters", "1", "--global-batch-size", "2", "--num-generations", "3", "--no-save",
-              "--wandb-mode", "disabled", "--wandb-save-dir", str(tmp_path / "w"), "--rollout-source", "jsonl",
-              "--rollout-path", str(path), "--reward-fn", "exact_match", "--loss-aggregation", aggregation,
-              "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2"] for aggregation in aggregations]
-    (singles,) = run_multiprocess(train_workers, 1, argvs)
-    pairs = run_multiprocess(train_workers, 2, argvs)
-    for i, aggregation in enumerate(aggregations):
-        single, pair = singles[i], [rank[i] for rank in pairs]
-        for key in ("loss/total", "optim/grad_norm", "tokens/response", "reward/mean", "reward/max"):
-            a, b = single["metrics"][key], pair[0]["metrics"][key]
-            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (aggregation, key, a, b)
-        assert pair[0]["metrics"]["optim/grad_norm"] > 0
-        # at ratio 1 each token's surrogate is -A: the step loss is exactly the global token (or
-        # sequence) mean of -A, whatever the group lengths
-        terms, weights = [], []
-        for line in path.read_text().splitlines():
-            group = json.loads(line)
-            advantages = group_advantages(torch.tensor(group["rewards"]), "group-std")
-            for a, response in zip(advantages.tolist(), group["responses"]):
-                n = len(response) if aggregation == "token" else 1
-                terms.append(-a * n)
-                weights.append(n)
-        expected = sum(terms) / sum(weights)
-        assert abs(single["metrics"]["loss/total"] - expected) <= 1e-6, (aggregation, single["metrics"]["loss/total"])
-        for name, value in pair[0]["params"].items():
-            assert (value == pair[1]["params"][name]).all(), name  # ranks stay in sync
+    runs, path = spawned
+    (single,), pair = runs[f"dp-{aggregation}-single"], runs[f"dp-{aggregation}"]
+    for key in ("loss/total", "optim/grad_norm", "tokens/response", "reward/mean", "reward/max"):
+        a, b = single["metrics"][key], pair[0]["metrics"][key]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (aggregation, key, a, b)
+    assert pair[0]["metrics"]["optim/grad_norm"] > 0
+    # at ratio 1 each token's surrogate is -A: the step loss is exactly the global token (or
+    # sequence) mean of -A, whatever the group lengths
+    terms, weights = [], []
+    for line in path.read_text().splitlines():
+        group = json.loads(line)
+        advantages = group_advantages(torch.tensor(group["rewards"]), "group-std")
+        for a, response in zip(advantages.tolist(), group["responses"]):
+            n = len(response) if aggregation == "token" else 1
+            terms.append(-a * n)
+            weights.append(n)
+    expected = sum(terms) / sum(weights)
+    assert abs(single["metrics"]["loss/total"] - expected) <= 1e-6, (aggregation, single["metrics"]["loss/total"])
+    for name, value in pair[0]["params"].items():
+        assert (value == pair[1]["params"][name]).all(), name  # ranks stay in sync
 
 
-@pytest.fixture(scope="module")
-def context_parallel_runs(tmp_path_factory):
-    """One step at CP=1 and at CP=2 (one spawn each) with external rollouts and with internal
-    ones: ``{"external" | "internal": (CP=1 result, [CP=2 rank results])}``."""
-    from megatron_longstraw.testing.multiprocess import run_multiprocess
-    from megatron_longstraw.testing.trainer_runs import train_workers
-
-    tmp_path = tmp_path_factory.mktemp("cp")
-    common = ["--train-iters", "1", "--num-generations", "3", "--no-save", "--wandb-mode", "disabled",
-              "--wandb-save-dir", str(tmp_path / "w"), "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2"]
-    argvs = {"external": common + ["--global-batch-size", "2", "--rollout-source", "jsonl", "--rollout-path",
-                                   str(_rollout_file(tmp_path)), "--reward-fn", "exact_match"],
-             "internal": common + ["--global-batch-size", "1", "--synthetic-prompt-length", "37",
-                                   "--max-response-length", "5", "--lr", "1e-2",
-                                   "--reward-fn", "reward_fixtures:low_token_fraction"]}
-    (singles,) = run_multiprocess(train_workers, 1, list(argvs.values()))
-    pairs = run_multiprocess(train_workers, 2, [argv + ["--context-parallel-size", "2"] for argv in argvs.values()])
-    return {name: (singles[i], [rank[i] for rank in pairs]) for i, name in enumerate(argvs)}
-
-
-def test_context_parallel_step_equals_one_process(context_parallel_runs):
+def test_context_parallel_step_equals_one_process(spawned):
     """CP=2 (prompt state sharded over 2 ranks, response replicated, DDP over DP x CP) vs CP=1:
     the same loss and gradient norm, and both CP ranks end with the same parameters."""
-    single, pair = context_parallel_runs["external"]
+    runs, _ = spawned
+    (single,), pair = runs["cp-external-single"], runs["cp-external"]
     for key in ("loss/total", "optim/grad_norm", "tokens/response", "prompt/state_bytes"):
         a, b = single["metrics"][key], pair[0]["metrics"][key]
         if key == "prompt/state_bytes":
@@ -265,11 +294,12 @@ def test_context_parallel_step_equals_one_process(context_parallel_runs):
         assert (value == pair[1]["params"][name]).all(), name
 
 
-def test_context_parallel_internal_rollouts_step_equals_one_process(context_parallel_runs):
+def test_context_parallel_internal_rollouts_step_equals_one_process(spawned):
     """Internal rollouts under CP=2 (decoding from the CP-sharded prompt state, tokens replicated
     over the CP ranks) vs CP=1: the same rewards, loss and gradient norm after one step, and both
     CP ranks end with the same parameters."""
-    single, pair = context_parallel_runs["internal"]
+    runs, _ = spawned
+    (single,), pair = runs["cp-internal-single"], runs["cp-internal"]
     for key in ("reward/mean", "loss/total", "optim/grad_norm", "tokens/response", "prompt/state_bytes"):
         a = single["metrics"][key]
         for run in pair:
@@ -283,7 +313,7 @@ def test_context_parallel_internal_rollouts_step_equals_one_process(context_para
         assert (value == pair[1]["params"][name]).all(), name
 
 
-def test_tensor_and_context_parallel_checkpoint_resumes_at_tp1(tmp_path):
+def test_tensor_and_context_parallel_checkpoint_resumes_at_tp1(spawned):
     """A TP=2 x CP=2 run (4 ranks) saves after 2 steps; TP=1, CP=1 loads that checkpoint
     (Megatron's distributed checkpoint reshards model and optimizer) and takes step 3 like the
     4-rank run resumed as it was: the same loss and gradient norm, and parameters whose TP=2
@@ -293,25 +323,9 @@ def test_tensor_and_context_parallel_checkpoint_resumes_at_tp1(tmp_path):
     random streams.) The model is the debug preset with 4 Gated DeltaNet key heads: Megatron's
     config wants them divisible by TP x CP."""
     from megatron_longstraw.models.builder import shard_for_rank
-    from megatron_longstraw.models.presets import resolve_hf_config
-    from megatron_longstraw.testing.multiprocess import run_multiprocess
-    from megatron_longstraw.testing.trainer_runs import train_worker, train_workers
 
-    config = {**resolve_hf_config("qwen3.5-debug"), "linear_num_key_heads": 4, "linear_num_value_heads": 4}
-    config.pop("_source")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    path = _rollout_file(tmp_path)
-    ckpt = tmp_path / "ckpt"
-    argv = ["--model", str(tmp_path / "config.json"), "--global-batch-size", "1", "--num-generations", "3",
-            "--wandb-mode", "disabled", "--wandb-save-dir", str(tmp_path / "w"), "--rollout-source", "jsonl",
-            "--rollout-path", str(path), "--reward-fn", "exact_match", "--prompt-chunk-size", "16",
-            "--replay-micro-batch-size", "2", "--lr", "1e-2"]
-    layout = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
-    resumed = [runs[1] for runs in run_multiprocess(train_workers, 4, [
-        argv + layout + ["--train-iters", "2", "--save", str(ckpt)],
-        argv + layout + ["--train-iters", "3", "--load", str(ckpt), "--no-save"]])]
-    (resumed_tp1,) = run_multiprocess(train_worker, 1, argv + ["--train-iters", "3", "--load", str(ckpt),
-                                                               "--no-save"])
+    runs, _ = spawned
+    resumed, (resumed_tp1,) = runs["tp-cp-resumed"], runs["tp-cp-at-1"]
     for key in ("loss/total", "reward/mean", "optim/grad_norm"):
         a = resumed_tp1["metrics"][key]
         for run in resumed:
@@ -328,25 +342,15 @@ def test_tensor_and_context_parallel_checkpoint_resumes_at_tp1(tmp_path):
             assert error <= 1e-5 * max(1.0, full.abs().max().item()), (rank, name, error)
 
 
-def test_pipeline_parallel_run_resumes_at_pp1(tmp_path):
+def test_pipeline_parallel_run_resumes_at_pp1(spawned):
     """PP=2 with internal rollouts (decoding stage to stage, the last stage sampling), scoring
     and replay through Megatron's schedule: 3 steps with a checkpoint after step 2; PP=1 loads
     that checkpoint (Megatron's distributed checkpoint reshards the stages) and takes step 3 like
     the PP=2 run: the same rewards, loss, gradient norm and updated parameters (both stages'
     layers). Every stage logs the last stage's metrics. (A fresh PP=1 run is no reference: each
     stage initializes its layers from its own random stream.)"""
-    from megatron_longstraw.testing.multiprocess import run_multiprocess
-    from megatron_longstraw.testing.trainer_runs import train_worker
-
-    ckpt = tmp_path / "ckpt"
-    argv = ["--global-batch-size", "1", "--num-generations", "3", "--synthetic-prompt-length", "37",
-            "--prompt-chunk-size", "16", "--max-response-length", "5", "--replay-micro-batch-size", "2",
-            "--lr", "1e-2", "--entropy-coef", "0.01", "--wandb-mode", "disabled",
-            "--wandb-save-dir", str(tmp_path / "w"), "--reward-fn", "reward_fixtures:low_token_fraction"]
-    stages = run_multiprocess(train_worker, 2, argv + ["--pipeline-model-parallel-size", "2", "--train-iters", "3",
-                                                       "--save", str(ckpt), "--save-interval", "2"])
-    (resumed,) = run_multiprocess(train_worker, 1, argv + ["--train-iters", "3", "--load", str(ckpt / "iter_0000002"),
-                                                           "--no-save"])
+    runs, _ = spawned
+    stages, (resumed,) = runs["pp2"], runs["pp-at-1"]
     for key in ("reward/mean", "loss/total", "optim/grad_norm", "tokens/response", "prompt/state_bytes"):
         a = resumed["metrics"][key]
         for stage in stages:

@@ -77,7 +77,11 @@ def decode(model, hidden_SBH: torch.Tensor, offset: int) -> torch.Tensor:
     if getattr(model, "rotary_pos_emb", None) is not None:
         cp = parallel_state.get_context_parallel_world_size() > 1
         rotary = model.rotary_pos_emb(seq, offset=offset, packed_seq=cp)
-    run = lambda h: model.decoder(hidden_states=h, attention_mask=None, rotary_pos_emb=rotary)
+
+    def run(h):
+        if not model.decoder.pre_process:  # a later pipeline stage's block reads its input_tensor
+            model.decoder.set_input_tensor(h)  # (under SP: this rank's shard, not the whole slice)
+        return model.decoder(hidden_states=h, attention_mask=None, rotary_pos_emb=rotary)
     return _on_sequence_shards(model, run, hidden_SBH) if sp else run(hidden_SBH)
 
 

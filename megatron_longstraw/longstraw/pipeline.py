@@ -19,8 +19,9 @@ prompt state of those layers only.
 
 With context parallelism the capture is ``context_parallel.capture_prompt_cp`` (each stage passes
 its CP shard of every chunk on through ``run_stages``); replay, scoring and decoding are these
-functions unchanged. Not yet combined with sequence parallelism, nor with virtual pipeline stages
-(one model chunk per stage); refused with a clear error.
+functions unchanged. Under sequence parallelism the stages pass the whole slice too (as every
+model step's interface is), each stage's decoder running on its TP rank's shard of it. Not yet
+combined with virtual pipeline stages (one model chunk per stage); refused with a clear error.
 """
 
 import math
@@ -44,12 +45,8 @@ def pipeline_parallel() -> bool:
 
 def check_pipeline(model) -> None:
     """``ValueError`` for what pipeline parallelism is not combined with yet."""
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
     if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
         raise ValueError("virtual pipeline stages are not supported by LongStraw capture/replay yet")
-    if sequence_parallel(model):
-        raise ValueError(f"--sequence-parallel with --pipeline-model-parallel-size {pp} is not supported by "
-                         "LongStraw capture/replay yet")
 
 
 def _stage_input(model, shape, device) -> Optional[torch.Tensor]:
@@ -116,8 +113,9 @@ def capture_prompt_pp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     finally:
         if norm_input is not None:
             norm_input.remove()
-    if last:
-        state.last_hidden_1BH = norm_input.input_SBH[-1:]
+    if last:  # the last real row (under sequence parallelism the kept input ends in padding rows)
+        row = hidden_SBH.shape[0] - 1
+        state.last_hidden_1BH = norm_input.input_SBH[row:row + 1]
         state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
     return state
 
@@ -199,16 +197,18 @@ def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Ten
         return hidden_SBH, loss_func
 
     config = model.config
-    # the schedule sizes its transfers as a sequence sharded over CP (length // cp); LongStraw's
-    # responses are whole on every CP rank
-    cp = parallel_state.get_context_parallel_world_size()
+    # the schedule sizes its transfers as a sequence sharded over CP and, under sequence
+    # parallelism, TP (length // cp // tp); what LongStraw's stages pass on is the whole slice on
+    # every rank (model_steps: the decoder alone runs on sequence shards)
+    shards = parallel_state.get_context_parallel_world_size() * (
+        parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel(model) else 1)
     saved = config.calculate_per_token_loss
     config.calculate_per_token_loss = True  # the loss is already normalized: no division by micro-batches
     try:
         with bind(model, Mode.REPLAY, state, position_offset=offset):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                num_microbatches=len(batches), seq_length=length * cp, micro_batch_size=micro_batch_size,
+                num_microbatches=len(batches), seq_length=length * shards, micro_batch_size=micro_batch_size,
                 forward_only=False)
     finally:
         config.calculate_per_token_loss = saved

@@ -13,17 +13,20 @@ from megatron_longstraw.models.registry import family_for
 from megatron_longstraw.testing.hf_reference import build_hf_model
 
 
-def megatron_from_hf(hf: dict, hf_model, options: ModelOptions = ModelOptions()):
-    """A Megatron model (full logits, eval mode) holding ``hf_model``'s weights."""
-    model = build_model(hf, options, parallel_output=False)
+def megatron_from_hf(hf: dict, hf_model, options: ModelOptions = ModelOptions(), parallel_output: bool = False):
+    """A Megatron model (eval mode) holding ``hf_model``'s weights; full logits, or with
+    ``parallel_output`` this TP rank's vocabulary shard (what the vocab-parallel loss needs)."""
+    model = build_model(hf, options, parallel_output=parallel_output)
     family = family_for(hf["model_type"])
     load_full_state_dict(model, family.hf_to_mcore(hf_model.state_dict(), hf))
     return model.eval()
 
 
-def seeded_model(hf: dict, dtype=torch.float32, seed: int = 0):
-    """``megatron_from_hf`` of the HF reference model built from ``seed``, in ``dtype``."""
-    return megatron_from_hf(hf, build_hf_model(hf, seed=seed).to(dtype), ModelOptions(params_dtype=dtype))
+def seeded_model(hf: dict, dtype=torch.float32, seed: int = 0, parallel_output: bool = False, **options):
+    """``megatron_from_hf`` of the HF reference model built from ``seed``, in ``dtype``
+    (``options``: further ``ModelOptions`` fields, e.g. ``sequence_parallel``)."""
+    return megatron_from_hf(hf, build_hf_model(hf, seed=seed).to(dtype), ModelOptions(params_dtype=dtype, **options),
+                            parallel_output)
 
 
 def bf16_and_fp32_models(preset: str, device: str = "cuda", transformer_impl: str = "local", **overrides):

@@ -3,9 +3,7 @@
 import torch
 
 from megatron_longstraw.distributed import ParallelSizes, init_distributed
-from megatron_longstraw.longstraw.binding import model_signature
 from megatron_longstraw.longstraw.capture import capture_prompt
-from megatron_longstraw.longstraw.state import PromptState
 from megatron_longstraw.models.builder import build_model, load_full_state_dict
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config

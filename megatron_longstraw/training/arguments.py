@@ -205,13 +205,9 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.parallel.expert > 1 and args.data_parallel_size > 1:
         raise ValueError("--expert-model-parallel-size > 1 with data parallelism is not supported yet: "
                          "data-parallel ranks run different prompts, so their expert all-to-alls would not match")
-    if args.parallel.pipeline > 1:
-        pp = args.parallel.pipeline
-        if args.replay_mode != "longstraw":
-            raise ValueError(f"--pipeline-model-parallel-size {pp} needs --replay-mode longstraw (the "
-                             "full-graph baseline has no pipeline path)")
-        if args.sequence_parallel:
-            raise ValueError(f"--pipeline-model-parallel-size {pp} with --sequence-parallel is not supported yet")
+    if args.parallel.pipeline > 1 and args.replay_mode != "longstraw":
+        raise ValueError(f"--pipeline-model-parallel-size {args.parallel.pipeline} needs --replay-mode longstraw "
+                         "(the full-graph baseline has no pipeline path)")
     if args.parallel.context > 1 and args.replay_mode != "longstraw":
         raise ValueError("--context-parallel-size > 1 needs --replay-mode longstraw (the full-graph "
                          "baseline has no CP path)")
