@@ -48,9 +48,6 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
                 progress(min(chunk_size, length - start))
     finally:
         final_norm.remove()
-    # the final norm's input at the last prompt token (under sequence parallelism the kept input
-    # is gathered and padded: the row by index)
-    last = hidden_SBH.shape[0] - 1
-    state.last_hidden_1BH = final_norm.input_SBH[last:last + 1]
+    state.last_hidden_1BH = final_norm.last_row_1BH(hidden_SBH.shape[0])  # the final norm's input there
     state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
     return state

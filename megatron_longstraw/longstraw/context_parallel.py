@@ -150,7 +150,7 @@ def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     """
     from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
     from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, output_logits, sequence_parallel
-    from megatron_longstraw.longstraw.pipeline import check_pipeline, pipeline_parallel, run_stages
+    from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
     from megatron_longstraw.longstraw.state import PromptState
 
     group = context_parallel_group()
@@ -162,8 +162,7 @@ def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     batch, length = prompt_ids_BS.shape
     if batch != 1:
         raise ValueError(f"--context-parallel-size {cp}: capture needs a prompt batch of 1, got {batch}")
-    if pipeline_parallel():
-        check_pipeline(model)
+    check_pipeline(model)
     last_stage = parallel_state.is_pipeline_last_stage()
     plan = shard_plan(length, chunk_size, cp)
     local_length = sum(sizes[rank] for _, sizes in plan)
@@ -187,6 +186,6 @@ def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
         if final_norm is not None:
             final_norm.remove()
     if last_stage:
-        state.last_hidden_1BH = broadcast_from_last(final_norm.last_row_1BH, group)
+        state.last_hidden_1BH = broadcast_from_last(final_norm.last_row_1BH(hidden_SBH.shape[0]), group)
         state.last_logits_BV = broadcast_from_last(output_logits(model, hidden_SBH[-1:])[0], group)
     return state

@@ -188,10 +188,10 @@ class FinalNormInput:
         self._sp = sequence_parallel(model)
         self._handle = model.decoder.final_layernorm.register_forward_pre_hook(self)
 
-    @property
-    def last_row_1BH(self):
-        """The last row of the kept input (without sequence parallelism: the last real row)."""
-        return None if self.input_SBH is None else self.input_SBH[-1:]
+    def last_row_1BH(self, length: int) -> torch.Tensor:
+        """The kept input's row of the last real token of a ``length``-token slice (under
+        sequence parallelism the kept input ends in ``decode``'s padding rows)."""
+        return self.input_SBH[length - 1:length]
 
     def __call__(self, module, args):
         hidden = args[0]

@@ -113,9 +113,8 @@ def capture_prompt_pp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     finally:
         if norm_input is not None:
             norm_input.remove()
-    if last:  # the last real row (under sequence parallelism the kept input ends in padding rows)
-        row = hidden_SBH.shape[0] - 1
-        state.last_hidden_1BH = norm_input.input_SBH[row:row + 1]
+    if last:
+        state.last_hidden_1BH = norm_input.last_row_1BH(hidden_SBH.shape[0])
         state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
     return state
 
