@@ -52,7 +52,7 @@ def test_bench_tool_end_to_end(tmp_path):
 def test_bench_tool_glm_reports_flops_and_capture_split(tmp_path):
     """GLM-5 tiny through the benchmark: capture MFU from the GLM FLOPs formula and the capture
     time split into indexer, sparse MLA, MoE and the rest (which add up to the capture time)."""
-    cmd = [sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "glm-5-debug",
+    cmd = [sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "glm-5-debug", "--num-layers", "3",
            "--prompt-lengths", "80", "--group-sizes", "2", "--response-length", "8", "--modes", "longstraw",
            "--prompt-chunk-size", "32", "--warmup-prompt-length", "0", "--output-dir", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
@@ -63,6 +63,25 @@ def test_bench_tool_glm_reports_flops_and_capture_split(tmp_path):
     assert abs(sum(split.values()) - result["capture_s"]) < 1e-9
     assert result["capture_tflops"] > 0
     assert "| indexer top-k |" in (tmp_path / "bench_glm-5-debug.md").read_text()
+
+
+def test_num_layers_keeps_the_first_layers_of_every_pattern():
+    """``--num-layers``: the same widths at a reduced depth (qwen3.6-27b's 3:1 Gated DeltaNet /
+    attention pattern, GLM-5's dense-then-MoE and indexer patterns cut alike); out of range is a
+    clear error."""
+    from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+
+    qwen = with_num_layers(resolve_hf_config("qwen3.6-27b"), 8)
+    assert qwen["num_hidden_layers"] == 8 and qwen["hidden_size"] == 5120
+    assert qwen["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + \
+        ["full_attention"]
+    glm = with_num_layers(resolve_hf_config("glm-5-debug"), 3)
+    assert (glm["mlp_layer_types"], glm["indexer_types"], glm["first_k_dense_replace"]) == \
+        (["dense", "sparse", "sparse"], ["full", "full", "shared"], 1)
+    assert with_num_layers(resolve_hf_config("glm-5-debug"), 1)["mlp_layer_types"] == ["dense"]
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=rf"--num-layers must be in \[1, 4\] for this model, got {bad}"):
+            with_num_layers(resolve_hf_config("glm-5-debug"), bad)
 
 
 def test_glm_prompt_flops_terms():

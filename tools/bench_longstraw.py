@@ -31,7 +31,7 @@ from megatron_longstraw.longstraw.full_graph import full_graph_responses  # noqa
 from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
 from megatron_longstraw.models.builder import build_model  # noqa: E402
 from megatron_longstraw.models.options import ModelOptions  # noqa: E402
-from megatron_longstraw.models.presets import resolve_hf_config  # noqa: E402
+from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers  # noqa: E402
 
 PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (../shared/offline-gpu/README.md)
 GiB = 2 ** 30
@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-prompt-length", type=int, default=65536,
                    help="an unrecorded point per mode first, so kernel compilation and autotuning "
                         "(minutes on a fresh host) count in no measured point; 0 skips it")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="keep the model's first N layers (same widths, reduced depth: a run scaled to fewer GPUs)")
     p.add_argument("--max-position-embeddings", type=int, default=None,
                    help="override the preset's position budget (RoPE extrapolation, as Megatron's flag)")
     p.add_argument("--context-parallel-size", type=int, default=1,
@@ -407,6 +409,8 @@ def main(argv=None):
                      seed=1234)
     rank0 = torch.distributed.get_rank() == 0
     hf = resolve_hf_config(args.model)
+    if args.num_layers:
+        hf = with_num_layers(hf, args.num_layers)
     if args.max_position_embeddings:
         hf["max_position_embeddings"] = args.max_position_embeddings
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
