@@ -3,11 +3,12 @@
 from typing import Callable, Optional
 
 import torch
+from megatron.core import parallel_state
 
 from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
 from megatron_longstraw.longstraw.context_parallel import capture_prompt_cp, context_parallel_group
-from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, embed, output_logits
-from megatron_longstraw.longstraw.pipeline import capture_prompt_pp, pipeline_parallel
+from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, output_logits
+from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
 from megatron_longstraw.longstraw.state import PromptState
 
 
@@ -21,8 +22,11 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     Returns the prompt state with the last position's hidden state and next-token logits.
     ``progress``, if given, is called with the number of tokens of each finished chunk.
     Under context parallelism every CP rank calls it with the whole prompt and keeps its shard
-    of the state (``context_parallel.capture_prompt_cp``); under pipeline parallelism every stage
-    does, and keeps the state of its own layers (``pipeline.capture_prompt_pp``).
+    of the state (``context_parallel.capture_prompt_cp``). Under pipeline parallelism every stage
+    does, and keeps the state of its own layers: the first stage embeds each chunk, every stage
+    runs its layers and hands the chunk's hidden states on (``pipeline.run_stages``; only chunk
+    activations cross stages), and only the last stage's state holds the last position's hidden
+    state and logits.
     """
     if prompt_ids_BS.dim() != 2 or prompt_ids_BS.shape[1] == 0:
         raise ValueError(f"prompt must be [batch, tokens] with at least one token, got {tuple(prompt_ids_BS.shape)}")
@@ -33,21 +37,23 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
         raise ValueError(f"prompt of {length} tokens exceeds the model's {model.max_sequence_length} positions")
     if context_parallel_group() is not None:
         return capture_prompt_cp(model, prompt_ids_BS, chunk_size, progress)
-    if pipeline_parallel():
-        return capture_prompt_pp(model, prompt_ids_BS, chunk_size, progress)
+    check_pipeline(model)
+    last = parallel_state.is_pipeline_last_stage()
     state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
     for name, module in stateful_modules(model).items():
         state.layers[name] = module.new_prompt_state(length, batch, prompt_ids_BS.device)
-    final_norm = FinalNormInput(model)
+    final_norm = FinalNormInput(model) if last else None
     try:
         for start in range(0, length, chunk_size):
             chunk_ids_BS = prompt_ids_BS[:, start:start + chunk_size]
             with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=chunk_ids_BS.shape[1]):
-                hidden_SBH = decode(model, embed(model, chunk_ids_BS, start), start)
+                hidden_SBH = run_stages(model, chunk_ids_BS, start, lambda h: decode(model, h, start))
             if progress is not None:
-                progress(min(chunk_size, length - start))
+                progress(chunk_ids_BS.shape[1])
     finally:
-        final_norm.remove()
-    state.last_hidden_1BH = final_norm.last_row_1BH(hidden_SBH.shape[0])  # the final norm's input there
-    state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
+        if final_norm is not None:
+            final_norm.remove()
+    if last:  # the final norm's input at the last prompt token, and the next-token logits
+        state.last_hidden_1BH = final_norm.last_row_1BH(hidden_SBH.shape[0])
+        state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
     return state

@@ -7,7 +7,7 @@ import torch
 from megatron_longstraw.longstraw.binding import Mode, bind
 from megatron_longstraw.longstraw.decode_state import DecodeState
 from megatron_longstraw.longstraw.model_steps import decode, output_logits
-from megatron_longstraw.longstraw.pipeline import check_pipeline, pipeline_parallel, run_stages
+from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
 
 
 @torch.no_grad()
@@ -28,8 +28,7 @@ def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> Optional[tor
         raise ValueError(f"decode state of capacity {state.capacity} cannot take {seq} more tokens "
                          f"after {state.length}")
     offset = state.position
-    if pipeline_parallel():
-        check_pipeline(model)
+    check_pipeline(model)
     with bind(model, Mode.DECODE, state, position_offset=offset, valid_length=seq):
         hidden_SBH = run_stages(model, ids_BS, offset, lambda h: decode(model, h, offset))
     state.advance(seq)

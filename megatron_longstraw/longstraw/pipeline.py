@@ -3,10 +3,8 @@
 Each pipeline stage builds only its own layers (``models/pipeline_stage.py``), so it keeps the
 prompt state of those layers only.
 
-- ``capture_prompt_pp`` (no autograd): chunk by chunk, the first stage embeds the chunk, every
-  stage runs its layers against its state and sends the chunk's hidden states to the next stage
-  (only chunk activations cross stages); the last stage keeps the final norm's input at the last
-  prompt token and the next-token logits.
+- Capture (``capture.capture_prompt``, no autograd): chunk by chunk through ``run_stages``; the
+  last stage keeps the final norm's input at the last prompt token and the next-token logits.
 - ``replay_responses_pp`` (autograd): Megatron's ``get_forward_backward_func()`` schedule with
   one micro-batch per ``micro_batch_size`` responses; the forward step runs this stage's layers
   bound to this stage's prompt state (the binding spans the whole schedule, so backward and any
@@ -32,9 +30,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
+from megatron_longstraw.longstraw.binding import Mode, bind
 from megatron_longstraw.longstraw.model_steps import (
-    FinalNormInput, decode, embed, loss_of, output_logits, predicting_hidden, response_logprobs, sequence_parallel)
+    decode, embed, loss_of, predicting_hidden, response_logprobs, sequence_parallel)
 from megatron_longstraw.longstraw.state import PromptState
 
 
@@ -88,35 +86,6 @@ def from_last_stage(value):
     dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                group=parallel_state.get_pipeline_model_parallel_group())
     return box[0]
-
-
-@torch.no_grad()
-def capture_prompt_pp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
-                      progress: Optional[Callable[[int], object]] = None) -> PromptState:
-    """``capture_prompt`` over the pipeline stages: every stage calls it with the whole prompt and
-    returns the state of its own layers; the last stage's state also holds the last prompt
-    position's hidden state and logits (the other stages' hold ``None``)."""
-    check_pipeline(model)
-    batch, length = prompt_ids_BS.shape
-    last = parallel_state.is_pipeline_last_stage()
-    state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
-    for name, module in stateful_modules(model).items():
-        state.layers[name] = module.new_prompt_state(length, batch, prompt_ids_BS.device)
-    norm_input = FinalNormInput(model) if last else None
-    try:
-        for start in range(0, length, chunk_size):
-            ids_BS = prompt_ids_BS[:, start:start + chunk_size]
-            with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=ids_BS.shape[1]):
-                hidden_SBH = run_stages(model, ids_BS, start, lambda h: decode(model, h, start))
-            if progress is not None:
-                progress(ids_BS.shape[1])
-    finally:
-        if norm_input is not None:
-            norm_input.remove()
-    if last:
-        state.last_hidden_1BH = norm_input.last_row_1BH(hidden_SBH.shape[0])
-        state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
-    return state
 
 
 @torch.no_grad()

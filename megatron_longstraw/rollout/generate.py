@@ -120,8 +120,7 @@ def _check(model, prompt_state: PromptState, num_samples: int, max_new_tokens: i
         raise ValueError(
             f"--max-response-length {max_new_tokens} after a {prompt_state.prompt_length}-token prompt "
             f"exceeds the model's {model.max_sequence_length} positions")
-    if pipeline_parallel():
-        check_pipeline(model)
+    check_pipeline(model)
 
 
 def _samples_on_every_stage(tokens_B, scores_B2, rows: int, device):
