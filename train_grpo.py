@@ -51,14 +51,16 @@ def train(args):
         while iteration < args.train_iters:
             start, clock = time.perf_counter(), PhaseClock()
             generator.manual_seed(hash((args.seed, iteration, dp_rank)) % 2 ** 63)  # same on TP ranks
-            ddp.zero_grad_buffer()
+            for chunk in ddp:
+                chunk.zero_grad_buffer()
             optimizer.zero_grad()
             groups = [train_group(model, source.next_group(), args, reward_fn=reward_fn, eos_id=tokenizer.eos_id,
                                   generator=generator, groups_per_rank=groups_per_rank, reference=reference,
                                   clock=clock) for _ in range(groups_per_rank)]
             metrics = reduce_step_metrics(groups)
             if args.loss_aggregation == "token":  # exact token mean over the global batch
-                ddp.scale_gradients(args.data_parallel_size / metrics["tokens/response"])
+                for chunk in ddp:
+                    chunk.scale_gradients(args.data_parallel_size / metrics["tokens/response"])
                 metrics["loss/total"] = metrics.pop("loss/sum") / metrics["tokens/response"]
             else:
                 metrics["loss/total"] = metrics.pop("loss/sum") / args.data_parallel_size

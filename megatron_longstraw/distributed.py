@@ -26,6 +26,7 @@ class ParallelSizes:
     context: int = 1
     expert: int = 1
     pipeline: int = 1
+    virtual_pipeline: int = 1  # model chunks per pipeline rank (Megatron's interleaved schedule)
 
     def validate(self, world_size: int) -> int:
         """Check the sizes against ``world_size``; returns the data-parallel size."""
@@ -34,9 +35,13 @@ class ParallelSizes:
             ("--context-parallel-size", self.context),
             ("--expert-model-parallel-size", self.expert),
             ("--pipeline-model-parallel-size", self.pipeline),
+            ("--num-virtual-stages-per-pipeline-rank", self.virtual_pipeline),
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.virtual_pipeline > 1 and self.pipeline == 1:
+            raise ValueError(f"--num-virtual-stages-per-pipeline-rank {self.virtual_pipeline} needs "
+                             "--pipeline-model-parallel-size > 1")
         dense = self.tensor * self.context * self.pipeline
         if world_size % dense:
             raise ValueError(
@@ -95,6 +100,7 @@ def init_distributed(sizes: ParallelSizes = ParallelSizes(), seed: int = 1234,
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tensor,
         pipeline_model_parallel_size=sizes.pipeline,
+        virtual_pipeline_model_parallel_size=sizes.virtual_pipeline if sizes.virtual_pipeline > 1 else None,
         context_parallel_size=sizes.context,
         expert_model_parallel_size=sizes.expert,
         distributed_timeout_minutes=timeout_minutes,

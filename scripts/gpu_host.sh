@@ -209,13 +209,18 @@ case "${1:-}" in
     timeout "$limit" python3 -m torch.distributed.run --nproc_per_node "$ngpu" train_grpo.py $common $first \
       --save $ckpt --save-interval "$iters" --wandb-save-dir "$out/reshard/first" --log-interval 1 \
       2>&1 | tee "$out/reshard/first.log" | grep -v -i "warn\|deprecated" | grep -E "^step|Error|error|saved|iteration" | tail -n 20
+    first_status=${PIPESTATUS[0]}
+    # (124: killed by the GPU_HOST_TIMEOUT limit, e.g. while kernels compile for new shapes)
+    echo "first layout: exit status $first_status (limit $limit s)"
     # shellcheck disable=SC2086
     timeout "$limit" python3 -m torch.distributed.run --nproc_per_node "$ngpu" train_grpo.py \
       ${common/--train-iters $iters/--train-iters $((iters + 2))} $resumed --load $ckpt --no-save \
       --wandb-save-dir "$out/reshard/resumed" --log-interval 1 \
       2>&1 | tee "$out/reshard/resumed.log" | grep -v -i "warn\|deprecated" | grep -E "^step|Error|error|load|iteration" | tail -n 20
     status=${PIPESTATUS[0]}
+    echo "resumed layout: exit status $status (limit $limit s)"
     set -e
+    [ "$first_status" -eq 0 ] || exit "$first_status"
     exit "$status" ;;
   train)
     shift; prepare

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_longstraw.models import glm5
-from megatron_longstraw.models.builder import build_model, load_full_state_dict
+from megatron_longstraw.models.builder import build_model, expert_global_name, load_full_state_dict
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import PRESETS
 from megatron_longstraw.testing.hf_reference import build_hf_model, hf_model_class
@@ -242,8 +242,6 @@ def _replay_logits_and_grads(hf):
     """LongStraw on the current parallel state: replay logits (fp32) of one response after a
     chunked capture, and the fp64 replay gradients of two responses by global parameter name
     (a routed expert's local index on its EP rank mapped back to its global one)."""
-    import re
-
     from megatron.core import parallel_state
 
     from megatron_longstraw.longstraw.capture import capture_prompt
@@ -265,10 +263,7 @@ def _replay_logits_and_grads(hf):
     # scaling its gradient is DP x CP times EP=1's
     expert_scale = 1.0 / parallel_state.get_data_parallel_world_size(with_context_parallel=True)
 
-    def global_name(name):
-        match = re.fullmatch(r"(.*\.local_experts\.)(\d+)(\..*)", name)
-        return name if match is None else f"{match[1]}{first + int(match[2])}{match[3]}"
-    return logits, {global_name(n): p.grad * (expert_scale if ".local_experts." in n else 1.0)
+    return logits, {expert_global_name(n, first): p.grad * (expert_scale if ".local_experts." in n else 1.0)
                     for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -295,6 +290,60 @@ def test_expert_parallel_2_matches_ep_1(single_process):
             assert max_rel_error(grad, ref_grads[name]) <= 1e-10, name
         experts |= {n for n in grads if ".local_experts." in n}
     assert experts == {n for n in ref_grads if ".local_experts." in n}  # every expert on one rank
+
+
+LOCKSTEP_PROMPTS = (40, 18)  # tokens per rank: 3 and 2 capture chunks of 16
+LOCKSTEP_NEW_TOKENS = (2, 5)  # decode steps per rank (the first rank stops first)
+
+
+def _capture_and_decode(hf, prompt_length, new_tokens):
+    """Capture a prompt (chunks of 16) and decode two greedy samples from it on the current
+    parallel state: (last prompt logits, responses, log-probs, idle passes run in each phase)."""
+    from megatron_longstraw.longstraw import expert_lockstep
+    from megatron_longstraw.longstraw.capture import capture_prompt
+    from megatron_longstraw.rollout.generate import generate_from_state
+
+    idle = []
+    run_idle = expert_lockstep.ExpertLockstep.idle_pass
+    expert_lockstep.ExpertLockstep.idle_pass = lambda self: (idle.append(1), run_idle(self))
+    try:
+        model = _megatron_from_hf(hf, build_hf_model(hf, seed=1))
+        with torch.no_grad():
+            state = capture_prompt(model, _tokens(1, prompt_length, seed=prompt_length), 16)
+        captured = len(idle)
+        rollouts = generate_from_state(model, state, 2, new_tokens, temperature=0.0)
+    finally:
+        expert_lockstep.ExpertLockstep.idle_pass = run_idle
+    return state.last_logits_BV, rollouts.responses, rollouts.logprobs, (captured, len(idle) - captured)
+
+
+def _lockstep_worker(hf):
+    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+
+    init_distributed(ParallelSizes(expert=2), seed=5)
+    rank = torch.distributed.get_rank()
+    return _capture_and_decode(hf, LOCKSTEP_PROMPTS[rank], LOCKSTEP_NEW_TOKENS[rank])
+
+
+def test_expert_parallel_over_data_ranks_runs_in_lockstep(single_process):
+    """EP=2 over two data-parallel ranks, each with a prompt and a decode length of its own: the
+    rank with fewer capture chunks (and the one that stops decoding first) runs idle MoE passes
+    until the other is done (``expert_lockstep``), and each rank's logits and greedy samples equal
+    a single process's on its own prompt. Without the lockstep the ranks' all-to-alls do not
+    match: the rank that finishes first leaves, and the other's all-to-all fails (or hangs)."""
+    hf = _debug_config()
+    results = run_multiprocess(_lockstep_worker, 2, hf, timeout=240)
+    for rank, (logits, responses, logprobs, idle) in enumerate(results):
+        ref_logits, ref_responses, ref_logprobs, ref_idle = _capture_and_decode(
+            hf, LOCKSTEP_PROMPTS[rank], LOCKSTEP_NEW_TOKENS[rank])
+        assert ref_idle == (0, 0)
+        assert (logits - ref_logits).abs().max().item() <= 1e-5, rank
+        assert [r.tolist() for r in responses] == [r.tolist() for r in ref_responses], rank
+        for a, b in zip(logprobs, ref_logprobs, strict=True):
+            assert (a - b).abs().max().item() <= 1e-5, rank
+    # rank 1 captures 2 chunks against rank 0's 3; rank 0 decodes 1 step against rank 1's 4
+    # (the first token comes from the capture's logits)
+    assert results[0][3] == (0, 3) and results[1][3] == (1, 0), [r[3] for r in results]
 
 
 def test_hf_reference_class_is_glm_moe_dsa():

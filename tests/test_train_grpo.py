@@ -207,11 +207,28 @@ def _tp_cp_config(folder: Path) -> Path:
 AGGREGATIONS = ("token", "sequence")
 
 
+def _glm_checkpoint(folder: Path) -> Path:
+    """glm-5-debug from a tiny random HF model through tools/convert_checkpoint.py: the same
+    initial weights under any layout (random initialization depends on the expert layout)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import convert_checkpoint
+
+    from megatron_longstraw.models.presets import resolve_hf_config
+    from megatron_longstraw.testing.hf_reference import build_hf_model
+
+    hf = resolve_hf_config("glm-5-debug")
+    hf.pop("_source", None)
+    build_hf_model(hf, seed=3).save_pretrained(folder / "hf")
+    assert convert_checkpoint.main(["hf-to-mcore", "--load", str(folder / "hf"), "--save", str(folder / "mcore"),
+                                    "--no-progress"]) == 0
+    return folder / "mcore"
+
+
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     """Every multi-process trainer run of this module, in three spawns: two ranks (DP=2, CP=2,
-    PP=2), four ranks (TP=2 x CP=2), then one rank (the one-process references and the resumes
-    from the multi-rank checkpoints); each run on a store port of its own
+    PP=2, EP=2 x DP=2), four ranks (TP=2 x CP=2), then one rank (the one-process references and
+    the resumes from the multi-rank checkpoints); each run on a store port of its own
     (``trainer_runs.train_workers``). ``{name: [result per rank]}``."""
     from megatron_longstraw.testing.multiprocess import run_multiprocess
     from megatron_longstraw.testing.trainer_runs import train_workers
@@ -233,15 +250,24 @@ def spawned(tmp_path_factory):
     tp_cp = ["--model", str(_tp_cp_config(tmp)), "--global-batch-size", "1", "--num-generations", "3", *quiet,
              *external, "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2", "--lr", "1e-2"]
     layout = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
+    # GLM-5 with its experts over the two data-parallel ranks: prompts of 25 and 32 tokens are 3
+    # and 4 capture chunks of 10 (expert_lockstep)
+    ep_dp = one_step + ["--model", "glm-5-debug", "--pretrained-checkpoint", str(_glm_checkpoint(tmp)),
+                        "--global-batch-size", "2", *external, "--prompt-chunk-size", "10"]
     spawns = [
         (2, {**dp, **{name: argv + ["--context-parallel-size", "2"] for name, argv in cp.items()},
              "pp2": pp + ["--pipeline-model-parallel-size", "2", "--train-iters", "3", "--save", str(tmp / "pp"),
-                          "--save-interval", "2"]}),
+                          "--save-interval", "2"],
+             "pp2-vpp2": pp + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                               "--train-iters", "3", "--save", str(tmp / "vpp"), "--save-interval", "2"],
+             "ep-dp": ep_dp + ["--expert-model-parallel-size", "2"]}),
         (4, {"tp-cp-save": tp_cp + layout + ["--train-iters", "2", "--save", str(tmp / "tp-cp")],
              "tp-cp-resumed": tp_cp + layout + ["--train-iters", "3", "--load", str(tmp / "tp-cp"), "--no-save"]}),
         (1, {**{f"{name}-single": argv for name, argv in {**dp, **cp}.items()},
              "tp-cp-at-1": tp_cp + ["--train-iters", "3", "--load", str(tmp / "tp-cp"), "--no-save"],
-             "pp-at-1": pp + ["--train-iters", "3", "--load", str(tmp / "pp" / "iter_0000002"), "--no-save"]}),
+             "pp-at-1": pp + ["--train-iters", "3", "--load", str(tmp / "pp" / "iter_0000002"), "--no-save"],
+             "vpp-at-1": pp + ["--train-iters", "3", "--load", str(tmp / "vpp" / "iter_0000002"), "--no-save"],
+             "ep-dp-single": ep_dp}),
     ]
     out = {}
     for world, runs in spawns:
@@ -277,6 +303,32 @@ def test_data_parallel_step_equals_one_process_on_the_same_global_batch(spawned,
     assert abs(single["metrics"]["loss/total"] - expected) <= 1e-6, (aggregation, single["metrics"]["loss/total"])
     for name, value in pair[0]["params"].items():
         assert (value == pair[1]["params"][name]).all(), name  # ranks stay in sync
+
+
+def test_expert_parallel_over_data_ranks_step_equals_one_process(spawned):
+    """GLM-5, EP=2 over DP=2 (each rank its own prompt, of 3 and 4 capture chunks; the experts
+    split over the ranks) vs one process with both groups, from the same converted checkpoint:
+    the same loss, gradient norm and updated weights (dense ones on both ranks, each expert on
+    its owner)."""
+    runs, _ = spawned
+    (single,), pair = runs["ep-dp-single"], runs["ep-dp"]
+    for key in ("loss/total", "optim/grad_norm", "entropy/mean", "tokens/response"):
+        a, b = single["metrics"][key], pair[0]["metrics"][key]
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (key, a, b)
+    assert single["metrics"]["optim/grad_norm"] > 0
+    from megatron_longstraw.models.builder import expert_global_name
+    from megatron_longstraw.models.presets import resolve_hf_config
+
+    per_rank = resolve_hf_config("glm-5-debug")["n_routed_experts"] // len(pair)
+    seen = set()
+    for rank, result in enumerate(pair):
+        for name, value in result["params"].items():
+            name = expert_global_name(name, rank * per_rank)
+            seen.add(name)
+            # Adam's first step is about lr x sign(g) (lr 1e-3): on entries whose gradient is near
+            # zero, fp32 summation order moves it by up to ~1e-6 (measured 1.6e-6); 1% of a step
+            assert abs(value - single["params"][name]).max() <= 1e-5, (rank, name)
+    assert seen == set(single["params"])
 
 
 def test_context_parallel_step_equals_one_process(spawned):
@@ -342,15 +394,17 @@ def test_tensor_and_context_parallel_checkpoint_resumes_at_tp1(spawned):
             assert error <= 1e-5 * max(1.0, full.abs().max().item()), (rank, name, error)
 
 
-def test_pipeline_parallel_run_resumes_at_pp1(spawned):
-    """PP=2 with internal rollouts (decoding stage to stage, the last stage sampling), scoring
-    and replay through Megatron's schedule: 3 steps with a checkpoint after step 2; PP=1 loads
-    that checkpoint (Megatron's distributed checkpoint reshards the stages) and takes step 3 like
-    the PP=2 run: the same rewards, loss, gradient norm and updated parameters (both stages'
-    layers). Every stage logs the last stage's metrics. (A fresh PP=1 run is no reference: each
-    stage initializes its layers from its own random stream.)"""
+@pytest.mark.parametrize("run,resumed_run", [("pp2", "pp-at-1"), ("pp2-vpp2", "vpp-at-1")])
+def test_pipeline_parallel_run_resumes_at_pp1(spawned, run, resumed_run):
+    """PP=2, and PP=2 with two virtual stages per rank (Megatron's interleaved schedule; rank 0
+    holds layers 0 and 2), with internal rollouts (decoding stage to stage, the last stage
+    sampling), scoring and replay through Megatron's schedule: 3 steps with a checkpoint after
+    step 2; PP=1 loads that checkpoint (Megatron's distributed checkpoint reshards the stages)
+    and takes step 3 like the PP=2 run: the same rewards, loss, gradient norm and updated
+    parameters (both stages' layers). Every stage logs the last stage's metrics. (A fresh PP=1
+    run is no reference: each stage initializes its layers from its own random stream.)"""
     runs, _ = spawned
-    stages, (resumed,) = runs["pp2"], runs["pp-at-1"]
+    stages, (resumed,) = runs[run], runs[resumed_run]
     for key in ("reward/mean", "loss/total", "optim/grad_norm", "tokens/response", "prompt/state_bytes"):
         a = resumed["metrics"][key]
         for stage in stages:

@@ -29,7 +29,7 @@ from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
 from megatron_longstraw.longstraw.cost_model import memory_floor_bytes, prompt_flops  # noqa: E402
 from megatron_longstraw.longstraw.full_graph import full_graph_responses  # noqa: E402
 from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
-from megatron_longstraw.models.builder import build_model  # noqa: E402
+from megatron_longstraw.models.builder import build_stage_model  # noqa: E402
 from megatron_longstraw.models.options import ModelOptions  # noqa: E402
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers  # noqa: E402
 
@@ -63,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="split the layers over this many stages (launch with torchrun --nproc_per_node N); "
                         "replay runs through Megatron's pipeline schedule; LongStraw mode only")
+    p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=1,
+                   help="model chunks per pipeline stage (Megatron's interleaved schedule)")
     p.add_argument("--transformer-impl", default="local", help="local or transformer_engine (Megatron's flag)")
     p.add_argument("--fp8-format", default=None, help="hybrid or e4m3 (needs --transformer-impl transformer_engine)")
     p.add_argument("--fp8-recipe", default="delayed", help="delayed, tensorwise, blockwise or mxfp8")
@@ -209,6 +211,7 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
     loss_fn = _loss_fn(group * args.response_length)
     result = dict(mode=mode, prompt_length=prompt_length, group=group, response_length=args.response_length,
                   context_parallel=args.context_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size,
+                  virtual_stages=args.num_virtual_stages_per_pipeline_rank,
                   transformer_impl=args.transformer_impl,
                   fp8=f"{args.fp8_format}/{args.fp8_recipe}" if args.fp8_format else None)
     _sync()
@@ -405,8 +408,8 @@ def _plot(results, path, command):
 def main(argv=None):
     args = parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
-    init_distributed(ParallelSizes(context=args.context_parallel_size, pipeline=args.pipeline_model_parallel_size),
-                     seed=1234)
+    init_distributed(ParallelSizes(context=args.context_parallel_size, pipeline=args.pipeline_model_parallel_size,
+                                   virtual_pipeline=args.num_virtual_stages_per_pipeline_rank), seed=1234)
     rank0 = torch.distributed.get_rank() == 0
     hf = resolve_hf_config(args.model)
     if args.num_layers:
@@ -417,7 +420,7 @@ def main(argv=None):
     results = []
     try:
         for mode in args.modes:
-            model = build_model(hf, ModelOptions(params_dtype=dtype, transformer_impl=args.transformer_impl,
+            model = build_stage_model(hf, ModelOptions(params_dtype=dtype, transformer_impl=args.transformer_impl,
                                                  fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
                                                  recompute_granularity="full" if mode == "full" else None))
             optimizer = _optimizer(model)

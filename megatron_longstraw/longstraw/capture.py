@@ -7,9 +7,11 @@ from megatron.core import parallel_state
 
 from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
 from megatron_longstraw.longstraw.context_parallel import capture_prompt_cp, context_parallel_group
+from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
 from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, output_logits
 from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
 from megatron_longstraw.longstraw.state import PromptState
+from megatron_longstraw.models.pipeline_stage import last_chunk
 
 
 @torch.no_grad()
@@ -26,7 +28,8 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     does, and keeps the state of its own layers: the first stage embeds each chunk, every stage
     runs its layers and hands the chunk's hidden states on (``pipeline.run_stages``; only chunk
     activations cross stages), and only the last stage's state holds the last position's hidden
-    state and logits.
+    state and logits. Under expert parallelism across data-parallel ranks the ranks' chunk counts
+    may differ; ``expert_lockstep.ExpertLockstep`` keeps their MoE all-to-alls matched.
     """
     if prompt_ids_BS.dim() != 2 or prompt_ids_BS.shape[1] == 0:
         raise ValueError(f"prompt must be [batch, tokens] with at least one token, got {tuple(prompt_ids_BS.shape)}")
@@ -42,18 +45,21 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
     for name, module in stateful_modules(model).items():
         state.layers[name] = module.new_prompt_state(length, batch, prompt_ids_BS.device)
-    final_norm = FinalNormInput(model) if last else None
+    final_norm = FinalNormInput(last_chunk(model)) if last else None
+    lockstep = ExpertLockstep(model)  # EP over data-parallel ranks: their prompts differ in length
     try:
         for start in range(0, length, chunk_size):
             chunk_ids_BS = prompt_ids_BS[:, start:start + chunk_size]
+            lockstep.busy()
             with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=chunk_ids_BS.shape[1]):
-                hidden_SBH = run_stages(model, chunk_ids_BS, start, lambda h: decode(model, h, start))
+                hidden_SBH = run_stages(model, chunk_ids_BS, start, lambda part, h: decode(part, h, start))
             if progress is not None:
                 progress(chunk_ids_BS.shape[1])
+        lockstep.finish()
     finally:
         if final_norm is not None:
             final_norm.remove()
     if last:  # the final norm's input at the last prompt token, and the next-token logits
         state.last_hidden_1BH = final_norm.last_row_1BH(hidden_SBH.shape[0])
-        state.last_logits_BV = output_logits(model, hidden_SBH[-1:])[0]
+        state.last_logits_BV = output_logits(last_chunk(model), hidden_SBH[-1:])[0]
     return state

@@ -149,9 +149,11 @@ def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     (``pipeline.run_stages``); the last position's hidden state and logits are on the last stage.
     """
     from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
+    from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
     from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, output_logits, sequence_parallel
     from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
     from megatron_longstraw.longstraw.state import PromptState
+    from megatron_longstraw.models.pipeline_stage import last_chunk
 
     group = context_parallel_group()
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -173,19 +175,22 @@ def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
         state.layers[name] = module.new_prompt_state(local_length, batch, prompt_ids_BS.device)
         if hasattr(state.layers[name], "positions_P"):  # layers whose attention needs positions (DSA)
             state.layers[name].positions_P = page_positions_P
-    final_norm = FinalNormInput(model) if last_stage else None
+    final_norm = FinalNormInput(last_chunk(model)) if last_stage else None
+    lockstep = ExpertLockstep(model)  # EP over data-parallel ranks: their prompts differ in length
     try:
         for chunk_start, sizes in plan:
             start = chunk_start + sum(sizes[:rank])
             ids = prompt_ids_BS[:, start:start + sizes[rank]]
+            lockstep.busy()
             with bind(model, Mode.CAPTURE, state, position_offset=start, shard_sizes=sizes):
-                hidden_SBH = run_stages(model, ids, start, lambda h: decode(model, h, start))
+                hidden_SBH = run_stages(model, ids, start, lambda part, h: decode(part, h, start))
             if progress is not None:
                 progress(sum(sizes))
+        lockstep.finish()
     finally:
         if final_norm is not None:
             final_norm.remove()
     if last_stage:
         state.last_hidden_1BH = broadcast_from_last(final_norm.last_row_1BH(hidden_SBH.shape[0]), group)
-        state.last_logits_BV = broadcast_from_last(output_logits(model, hidden_SBH[-1:])[0], group)
+        state.last_logits_BV = broadcast_from_last(output_logits(last_chunk(model), hidden_SBH[-1:])[0], group)
     return state

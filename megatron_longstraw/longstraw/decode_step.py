@@ -8,6 +8,7 @@ from megatron_longstraw.longstraw.binding import Mode, bind
 from megatron_longstraw.longstraw.decode_state import DecodeState
 from megatron_longstraw.longstraw.model_steps import decode, output_logits
 from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
+from megatron_longstraw.models.pipeline_stage import last_chunk
 
 
 @torch.no_grad()
@@ -30,6 +31,6 @@ def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> Optional[tor
     offset = state.position
     check_pipeline(model)
     with bind(model, Mode.DECODE, state, position_offset=offset, valid_length=seq):
-        hidden_SBH = run_stages(model, ids_BS, offset, lambda h: decode(model, h, offset))
+        hidden_SBH = run_stages(model, ids_BS, offset, lambda part, h: decode(part, h, offset))
     state.advance(seq)
-    return None if hidden_SBH is None else output_logits(model, hidden_SBH[-1:])[0]
+    return None if hidden_SBH is None else output_logits(last_chunk(model), hidden_SBH[-1:])[0]

@@ -18,12 +18,16 @@ prompt state of those layers only.
 With context parallelism the capture is ``context_parallel.capture_prompt_cp`` (each stage passes
 its CP shard of every chunk on through ``run_stages``); replay, scoring and decoding are these
 functions unchanged. Under sequence parallelism the stages pass the whole slice too (as every
-model step's interface is), each stage's decoder running on its TP rank's shard of it. Not yet
-combined with virtual pipeline stages (one model chunk per stage); refused with a clear error.
+model step's interface is), each stage's decoder running on its TP rank's shard of it.
+
+Virtual pipeline stages (``--num-virtual-stages-per-pipeline-rank``): the rank's model is a
+``models.pipeline_stage.StageChunks``; ``run_stages`` takes each slice around the ring of ranks
+once per chunk, and replay runs through Megatron's interleaved schedule (one data iterator per
+chunk, micro-batches padded to a multiple of PP); with CP and TP + SP as without them.
 """
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,7 @@ from megatron_longstraw.longstraw.binding import Mode, bind
 from megatron_longstraw.longstraw.model_steps import (
     decode, embed, loss_of, predicting_hidden, response_logprobs, sequence_parallel)
 from megatron_longstraw.longstraw.state import PromptState
+from megatron_longstraw.models.pipeline_stage import last_chunk, model_chunks
 
 
 def pipeline_parallel() -> bool:
@@ -42,41 +47,45 @@ def pipeline_parallel() -> bool:
 
 
 def check_pipeline(model) -> None:
-    """``ValueError`` for what pipeline parallelism is not combined with yet."""
-    if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
-        raise ValueError("virtual pipeline stages are not supported by LongStraw capture/replay yet")
+    """Invariant: under virtual pipeline stages ``model`` is this rank's ``StageChunks``."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    assert len(model_chunks(model)) == vpp, "under virtual pipeline stages the model is a StageChunks"
 
 
-def _stage_input(model, shape, device) -> Optional[torch.Tensor]:
-    """The previous stage's hidden states (``None`` on the first stage)."""
-    if parallel_state.is_pipeline_first_stage():
-        return None
+def _stage_input(model, shape, device) -> torch.Tensor:
+    """The previous stage's hidden states (from the previous rank of the pipeline ring)."""
     hidden = torch.empty(shape, dtype=model.config.pipeline_dtype, device=device)
     dist.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
     return hidden
 
 
-def run_stages(model, ids_BS: torch.Tensor, offset: int, run: Callable[[torch.Tensor], torch.Tensor]):
+def run_stages(model, ids_BS: torch.Tensor, offset: int,
+               run: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]):
     """One slice of tokens at positions ``offset...`` through the pipeline: the first stage embeds
-    ``ids_BS``, every stage applies ``run`` (its layers, bound by the caller) to the previous
-    stage's hidden states and sends the result on. Returns the last stage's output ``[s, b, h]``,
-    ``None`` on the other stages."""
+    ``ids_BS``, every stage applies ``run(chunk, hidden)`` (its layers, bound by the caller) to
+    the previous stage's hidden states and sends the result on. Under virtual pipeline stages
+    each rank does so for each of its chunks in turn (chunk ``v`` of the last rank hands on to
+    chunk ``v + 1`` of the first: Megatron's ring of ranks). Returns the last stage's output
+    ``[s, b, h]``, ``None`` on the other stages."""
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    chunks = model_chunks(model)
     batch, seq = ids_BS.shape
-    if first:
-        hidden_SBH = embed(model, ids_BS, offset)
-    else:
-        hidden_SBH = _stage_input(model, (seq, batch, model.config.hidden_size), ids_BS.device)
-        model.set_input_tensor(hidden_SBH)
-    try:
-        hidden_SBH = run(hidden_SBH)
-    finally:
-        if not first:
-            model.set_input_tensor(None)
-    if last:
-        return hidden_SBH
-    dist.send(hidden_SBH.to(model.config.pipeline_dtype).contiguous(),
-              parallel_state.get_pipeline_model_parallel_next_rank())
+    for v, chunk in enumerate(chunks):
+        embeds = first and v == 0
+        if embeds:
+            hidden_SBH = embed(chunk, ids_BS, offset)
+        else:
+            hidden_SBH = _stage_input(chunk, (seq, batch, chunk.config.hidden_size), ids_BS.device)
+            chunk.set_input_tensor(hidden_SBH)
+        try:
+            hidden_SBH = run(chunk, hidden_SBH)
+        finally:
+            if not embeds:
+                chunk.set_input_tensor(None)
+        if last and v == len(chunks) - 1:
+            return hidden_SBH
+        dist.send(hidden_SBH.to(chunk.config.pipeline_dtype).contiguous(),
+                  parallel_state.get_pipeline_model_parallel_next_rank())
     return None
 
 
@@ -103,11 +112,12 @@ def score_logprobs_pp(model, state: PromptState, responses: Sequence[torch.Tenso
         chunk = responses[start:start + micro_batch_size]
         ids_BR, _ = pad_responses(chunk)
         with bind(model, Mode.REPLAY, state, position_offset=offset):
-            hidden_SBH = run_stages(model, ids_BR, offset, lambda h: decode(model, h, offset))
+            hidden_SBH = run_stages(model, ids_BR, offset, lambda part, h: decode(part, h, offset))
         if hidden_SBH is None:
             out.extend(torch.zeros(r.numel(), device=r.device) for r in chunk)
             continue
-        logprobs_RB = response_logprobs(model, predicting_hidden(model, state.last_hidden_1BH, hidden_SBH),
+        tail = last_chunk(model)
+        logprobs_RB = response_logprobs(tail, predicting_hidden(tail, state.last_hidden_1BH, hidden_SBH),
                                         ids_BR.t())
         out.extend(logprobs_RB[: r.numel(), i].float() for i, r in enumerate(chunk))
     return out
@@ -146,38 +156,51 @@ def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Ten
     if state.prompt_length + length > model.max_sequence_length:
         raise ValueError(f"response of {length} tokens after a {state.prompt_length}-token prompt exceeds the "
                          f"model's {model.max_sequence_length} positions")
+    chunks = model_chunks(model)
+    if len(chunks) > 1:
+        # Megatron's interleaved schedule runs micro-batches in groups of PP per chunk: pad the
+        # count to a multiple of PP with micro-batches of empty rows (no loss, no gradient)
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        ids_BR, mask_RB, _ = batches[-1]
+        batches += [(ids_BR.new_zeros(ids_BR.shape), mask_RB.new_zeros(mask_RB.shape), [])] * (-len(batches) % pp)
     offset, losses = state.prompt_length, []
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
 
-    def forward_step(data_iterator, _model):
+    def forward_step(data_iterator, chunk):
         ids_BR, mask_RB, indices = next(data_iterator)
-        hidden_SBH = embed(model, ids_BR, offset) if first else model.decoder.input_tensor
-        hidden_SBH = decode(model, hidden_SBH, offset)
-        if not last:
+        v = chunks.index(chunk)
+        hidden_SBH = embed(chunk, ids_BR, offset) if first and v == 0 else chunk.decoder.input_tensor
+        hidden_SBH = decode(chunk, hidden_SBH, offset)
+        if not (last and v == len(chunks) - 1):
             return hidden_SBH, None
-        hidden_SBH = predicting_hidden(model, state.last_hidden_1BH, hidden_SBH)
+        hidden_SBH = predicting_hidden(chunk, state.last_hidden_1BH, hidden_SBH)
 
         def loss_func(output_SBH):
             real = len(indices)
-            loss = loss_of(loss_fn, model, output_SBH[:, :real], ids_BR[:real], mask_RB[:, :real], indices)
+            if real == 0:  # a padding micro-batch
+                return output_SBH.sum() * 0.0, torch.ones((), dtype=torch.int), {}
+            loss = loss_of(loss_fn, chunk, output_SBH[:, :real], ids_BR[:real], mask_RB[:, :real], indices)
             losses.append(loss.item())
             return loss, torch.ones((), dtype=torch.int), {}
         return hidden_SBH, loss_func
 
-    config = model.config
     # the schedule sizes its transfers as a sequence sharded over CP and, under sequence
     # parallelism, TP (length // cp // tp); what LongStraw's stages pass on is the whole slice on
     # every rank (model_steps: the decoder alone runs on sequence shards)
     shards = parallel_state.get_context_parallel_world_size() * (
         parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel(model) else 1)
-    saved = config.calculate_per_token_loss
-    config.calculate_per_token_loss = True  # the loss is already normalized: no division by micro-batches
+    configs = [chunk.config for chunk in chunks]
+    saved = [config.calculate_per_token_loss for config in configs]
+    for config in configs:  # the loss is already normalized: no division by micro-batches
+        config.calculate_per_token_loss = True
     try:
         with bind(model, Mode.REPLAY, state, position_offset=offset):
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                num_microbatches=len(batches), seq_length=length * shards, micro_batch_size=micro_batch_size,
-                forward_only=False)
+                forward_step_func=forward_step,
+                data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+                model=chunks, num_microbatches=len(batches), seq_length=length * shards,
+                micro_batch_size=micro_batch_size, forward_only=False)
     finally:
-        config.calculate_per_token_loss = saved
+        for config, value in zip(configs, saved):
+            config.calculate_per_token_loss = value
     return losses

@@ -8,7 +8,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_longstraw.models.options import ModelOptions, backend_provider
-from megatron_longstraw.models.pipeline_stage import local_layer_ids
+from megatron_longstraw.models.pipeline_stage import StageChunks, chunk_layer_ids
 from megatron_longstraw.models.registry import family_for
 
 
@@ -26,6 +26,10 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
     if hf["num_hidden_layers"] % pp:
         raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide the model's "
                          f"{hf['num_hidden_layers']} layers")
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    if hf["num_hidden_layers"] % (pp * vpp):
+        raise ValueError(f"--pipeline-model-parallel-size {pp} x --num-virtual-stages-per-pipeline-rank {vpp} "
+                         f"does not divide the model's {hf['num_hidden_layers']} layers")
     backend = backend_provider(options)
     config = family.transformer_config(hf, options)
     if options.fp8_format is not None and torch.cuda.is_available():
@@ -38,7 +42,7 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=family.block_spec(config, backend),
+        transformer_layer_spec=family.block_spec(config, backend, vp_stage=vp_stage),
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=parallel_output,
@@ -49,6 +53,15 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
     if to_device and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def build_stage_model(hf: dict, options: ModelOptions = ModelOptions(), **kwargs):
+    """This rank's model: ``build_model``, or under virtual pipeline stages a ``StageChunks`` of
+    one ``build_model`` per virtual stage (``vp_stage`` 0, 1, ...)."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    if vpp == 1:
+        return build_model(hf, options, **kwargs)
+    return StageChunks([build_model(hf, options, vp_stage=v, **kwargs) for v in range(vpp)])
 
 
 _TE_FUSED_NORMS = (
@@ -104,6 +117,13 @@ def _expert_local_name(name: str, config) -> Optional[str]:
     return f"{match.group(1)}{local}{match.group(3)}"
 
 
+def expert_global_name(name: str, first_expert: int) -> str:
+    """``...local_experts.{local}...`` on an EP rank whose first expert is ``first_expert`` -> the
+    whole model's name (``local_experts.{global}``); other names are returned unchanged."""
+    match = _EXPERT_NAME.fullmatch(name)
+    return name if match is None else f"{match.group(1)}{first_expert + int(match.group(2))}{match.group(3)}"
+
+
 def _stage_name(name: str, model: GPTModel, local_ids: dict[int, int]) -> Optional[str]:
     """A full-model weight name on this pipeline stage (``decoder.layers.{global}`` renumbered to
     the stage's local index), or None when the weight lives on another stage. A stage that has
@@ -123,20 +143,25 @@ def _stage_name(name: str, model: GPTModel, local_ids: dict[int, int]) -> Option
 
 
 @torch.no_grad()
-def load_full_state_dict(model: GPTModel, full: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(model: GPTModel | StageChunks, full: dict[str, torch.Tensor]) -> None:
     """Copy full (TP-unsharded, local-spec-named) weights into this rank's model.
 
     Every model parameter must be provided and every provided tensor must be used, except the
     weights of other pipeline stages (``_stage_name``: layers are renumbered). MoE experts are
     named by their global number (``local_experts.{e}``); only this EP rank's experts are
     loaded, renumbered locally, and they are TP-split over the expert-tensor-parallel group.
-    Buffers (e.g. the router's ``expert_bias``) are loaded when given.
+    Buffers (e.g. the router's ``expert_bias``) are loaded when given. Under virtual pipeline
+    stages (a ``StageChunks``) each chunk takes its own layers.
     """
+    if isinstance(model, StageChunks):
+        for chunk in model:
+            load_full_state_dict(chunk, full)
+        return
     family = family_for(model.hf_config["model_type"])
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     used = set()
-    local_ids = {g: i for i, g in enumerate(local_layer_ids(model.config))}
+    local_ids = {g: i for i, g in enumerate(chunk_layer_ids(model))}
     for name, tensor in full.items():
         name = _stage_name(name, model, local_ids)
         if name is None:

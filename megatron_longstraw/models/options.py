@@ -43,9 +43,17 @@ class ModelOptions:
     def config_kwargs(self) -> dict:
         """``TransformerConfig`` keyword arguments common to every family."""
         tp = parallel_state.get_tensor_model_parallel_world_size()
+        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
         return dict(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            # the interleaved schedule's point-to-point settings as Megatron's training sets them:
+            # its batched exchange posts a send to the previous rank before the send to the next,
+            # and with PP=2 (previous = next rank) the receiver takes the two in the other order
+            # (activations and gradients swap; found by tests/test_pipeline_parallel.py)
+            overlap_p2p_comm=vpp > 1,
+            batch_p2p_comm=vpp == 1,
             context_parallel_size=parallel_state.get_context_parallel_world_size(),
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
             sequence_parallel=self.sequence_parallel and tp > 1,

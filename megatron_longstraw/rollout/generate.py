@@ -30,9 +30,11 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_longstraw.longstraw.decode_state import new_decode_state
 from megatron_longstraw.longstraw.decode_step import decode_step
+from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
 from megatron_longstraw.longstraw.model_steps import output_logits
 from megatron_longstraw.longstraw.pipeline import check_pipeline, pipeline_parallel
 from megatron_longstraw.longstraw.state import PromptState
+from megatron_longstraw.models.pipeline_stage import last_chunk
 from megatron_longstraw.rollout.sampling import (
     check_sampling, sample_tokens, sampling_logprobs, token_logprobs_full_vocab)
 
@@ -106,7 +108,8 @@ def _first_logits(model, prompt_state: PromptState) -> torch.Tensor:
         return prompt_state.last_logits_BV
     if prompt_state.last_hidden_1BH is None:
         raise ValueError("the prompt state has neither last logits nor last hidden state (freed?)")
-    return output_logits(model, model.decoder.final_layernorm(prompt_state.last_hidden_1BH))[0]
+    tail = last_chunk(model)
+    return output_logits(tail, tail.decoder.final_layernorm(prompt_state.last_hidden_1BH))[0]
 
 
 def _check(model, prompt_state: PromptState, num_samples: int, max_new_tokens: int,
@@ -169,6 +172,7 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
     logits_BV = full_vocab_logits(model, _first_logits(model, prompt_state)).expand(num_samples, -1) \
         if samples_here else None
     steps = 0
+    lockstep = ExpertLockstep(model)  # EP over data-parallel ranks: their groups stop at different steps
     try:
         for step in range(max_new_tokens):
             tokens_B = scores_B2 = None
@@ -202,9 +206,11 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
                 state.select_samples(index_B)
                 tokens_B = tokens_B.index_select(0, index_B)
                 rows = [rows[row] for row in keep]
+            lockstep.busy()
             logits_BV = decode_step(model, state, tokens_B[:, None])
             logits_BV = None if logits_BV is None else full_vocab_logits(model, logits_BV)
             steps += 1
+        lockstep.finish()
     finally:
         state.free()
     return Rollouts(

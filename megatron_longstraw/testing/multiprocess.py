@@ -9,15 +9,37 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+RUN_PORTS = 12  # store ports per spawn: one per process-group setup a rank's body may make
 
 
-def _worker(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free at this moment (each held until all are chosen)."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def use_port(index: int) -> None:
+    """In a rank of ``run_multiprocess``: rendezvous the next process-group setup on the spawn's
+    ``index``-th store port (a body that sets up and tears down several groups needs a fresh
+    store each time: a re-used one still holds the previous rendezvous keys)."""
+    ports = os.environ["LONGSTRAW_RUN_PORTS"].split(",")
+    if index >= len(ports):
+        raise ValueError(f"a spawn has {len(ports)} store ports; setup {index} needs more (RUN_PORTS)")
+    os.environ["MASTER_PORT"] = ports[index]
+
+
+def _worker(rank, world_size, ports, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LONGSTRAW_RUN_PORTS=",".join(map(str, ports)))
     if os.environ.get("LONGSTRAW_WORKER_STACKS_AFTER"):  # debugging a hang: every thread's stack to stderr
         import faulthandler
 
@@ -51,8 +73,8 @@ def run_multiprocess(fn, world_size: int, *args, timeout: float = 600.0) -> list
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+    ports = _free_ports(RUN_PORTS)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, ports, fn, args, queue))
              for r in range(world_size)]
     for proc in procs:
         proc.start()

@@ -6,7 +6,8 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_longstraw.distributed import ParallelSizes, device, init_distributed
-from megatron_longstraw.models.builder import build_model, load_full_state_dict, shard_for_rank
+from megatron_longstraw.models.builder import build_stage_model, load_full_state_dict, shard_for_rank
+from megatron_longstraw.models.pipeline_stage import model_chunks
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.models.registry import family_for
@@ -16,9 +17,8 @@ from megatron_longstraw.testing.hf_reference import build_hf_model
 def megatron_from_hf(hf: dict, hf_model, options: ModelOptions = ModelOptions(), parallel_output: bool = False):
     """A Megatron model (eval mode) holding ``hf_model``'s weights; full logits, or with
     ``parallel_output`` this TP rank's vocabulary shard (what the vocab-parallel loss needs)."""
-    model = build_model(hf, options, parallel_output=parallel_output)
-    family = family_for(hf["model_type"])
-    load_full_state_dict(model, family.hf_to_mcore(hf_model.state_dict(), hf))
+    model = build_stage_model(hf, options, parallel_output=parallel_output)
+    load_full_state_dict(model, family_for(hf["model_type"]).hf_to_mcore(hf_model.state_dict(), hf))
     return model.eval()
 
 
@@ -43,17 +43,21 @@ def pipeline_global_names(model):
     """A function mapping this pipeline stage's parameter names to the whole model's
     (``decoder.layers.{local}`` -> the global layer number; with tied embeddings the last
     stage's ``output_layer.weight`` is the embedding it shares)."""
-    from megatron_longstraw.models.pipeline_stage import local_layer_ids
+    from megatron_longstraw.models.pipeline_stage import StageChunks, chunk_layer_ids
 
-    ids = local_layer_ids(model.config)
-    tied = model.share_embeddings_and_output_weights
+    chunks = list(model) if isinstance(model, StageChunks) else None
+    ids = [chunk_layer_ids(c) for c in chunks] if chunks else [chunk_layer_ids(model)]
+    tied = (chunks[-1] if chunks else model).share_embeddings_and_output_weights
 
     def rename(name: str) -> str:
-        if tied and name == "output_layer.weight":
-            return "embedding.word_embeddings.weight"
         parts = name.split(".")
+        chunk = 0
+        if chunks:  # a chunk's names start with its index (virtual pipeline stages)
+            chunk, parts = int(parts[0]), parts[1:]
+        if tied and parts == ["output_layer", "weight"]:
+            return "embedding.word_embeddings.weight"
         if parts[:2] == ["decoder", "layers"]:
-            parts[2] = str(ids[int(parts[2])])
+            parts[2] = str(ids[chunk][int(parts[2])])
         return ".".join(parts)
     return rename
 
@@ -64,11 +68,13 @@ def sum_tied_embedding_grads(model) -> None:
     trainer's ``finalize_model_grads`` does, so each holds the tied weight's whole gradient."""
     from megatron.core import parallel_state
 
-    if not (model.share_embeddings_and_output_weights and parallel_state.get_pipeline_model_parallel_world_size() > 1
-            and parallel_state.is_rank_in_embedding_group()):
+    if not parallel_state.get_pipeline_model_parallel_world_size() > 1:
         return
-    weight = model.shared_embedding_or_output_weight()
-    torch.distributed.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+    for chunk in model_chunks(model):  # the chunk with the embedding or the output layer
+        if chunk.share_embeddings_and_output_weights and (chunk.pre_process or chunk.post_process) \
+                and parallel_state.is_rank_in_embedding_group():
+            weight = chunk.shared_embedding_or_output_weight()
+            torch.distributed.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
 
 def grad_projections(model, rename=lambda name: name) -> dict:

@@ -22,7 +22,7 @@ def train_worker(argv: list[str]) -> dict:
         # numpy: pickles by value
         params = {rename(n): p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}
         family = family_for(model.hf_config["model_type"])
-        splits = {rename(n): (p.partition_dim, family.tp_sections(n, model.config))
+        splits = {rename(n): (p.partition_dim, family.tp_sections(rename(n), model.config))
                   for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
     finally:
         destroy_distributed()
@@ -37,12 +37,12 @@ def _world_size() -> int:
 
 def train_workers(argvs: list[list[str]]) -> list[dict]:
     """``train_worker`` on each of ``argvs`` in turn in this rank (one spawn serves several runs;
-    each run sets up and tears down its own process groups, on a store port of its own: a
-    re-used store would still hold the previous run's rendezvous keys)."""
-    import os
+    each run sets up and tears down its own process groups, on a store port of its own:
+    ``multiprocess.use_port``)."""
+    from megatron_longstraw.testing.multiprocess import use_port
 
-    base, results = int(os.environ["MASTER_PORT"]), []
+    results = []
     for i, argv in enumerate(argvs):
-        os.environ["MASTER_PORT"] = str(base + i)
+        use_port(i)
         results.append(train_worker(argv))
     return results

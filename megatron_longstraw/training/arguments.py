@@ -28,6 +28,8 @@ def _parallel(p):
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=1,
+                   help="model chunks per pipeline rank (Megatron's interleaved schedule)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
 
@@ -159,7 +161,8 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.save_interval is not None and args.save_interval < 1:
         raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
     args.parallel = ParallelSizes(args.tensor_model_parallel_size, args.context_parallel_size,
-                                  args.expert_model_parallel_size, args.pipeline_model_parallel_size)
+                                  args.expert_model_parallel_size, args.pipeline_model_parallel_size,
+                                  args.num_virtual_stages_per_pipeline_rank)
     args.data_parallel_size = args.parallel.validate(world_size)
     if args.global_batch_size % args.data_parallel_size:
         raise ValueError(f"--global-batch-size {args.global_batch_size} must be divisible by the "
@@ -202,9 +205,6 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
             raise ValueError(f"--{flag.replace('_', '-')} {path}: no such checkpoint")
-    if args.parallel.expert > 1 and args.data_parallel_size > 1:
-        raise ValueError("--expert-model-parallel-size > 1 with data parallelism is not supported yet: "
-                         "data-parallel ranks run different prompts, so their expert all-to-alls would not match")
     if args.parallel.pipeline > 1 and args.replay_mode != "longstraw":
         raise ValueError(f"--pipeline-model-parallel-size {args.parallel.pipeline} needs --replay-mode longstraw "
                          "(the full-graph baseline has no pipeline path)")

@@ -6,25 +6,30 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_longstraw.models.pipeline_stage import model_chunks
 
-def wrap_ddp(model, args) -> DistributedDataParallel:
-    """Megatron DDP over the data-parallel group; gradients accumulate in fp32 buffers."""
+
+def wrap_ddp(model, args) -> list[DistributedDataParallel]:
+    """Megatron DDP over the data-parallel group, one per model chunk (one without virtual
+    pipeline stages; later chunks without bucketing, as Megatron's training wraps them);
+    gradients accumulate in fp32 buffers."""
     config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer)
-    return DistributedDataParallel(model.config, config, model)
+    return [DistributedDataParallel(chunk.config, config, chunk, disable_bucketing=v > 0)
+            for v, chunk in enumerate(model_chunks(model))]
 
 
-def finish_gradients(ddp_model: DistributedDataParallel) -> None:
+def finish_gradients(ddp_chunks: list[DistributedDataParallel]) -> None:
     """Megatron's ``finalize_model_grads`` before the optimizer step: the DP x CP gradient
     reduction, and the TP sums of the gradients of replicated parameters that each TP rank
     computes only in part (q/k norms, Gated DeltaNet's output norm via ``patches``, norms under
     sequence parallelism), the MoE router's expert-bias update, and the embedding sums across
     pipeline stages. ``finish_grad_sync`` alone does only the first: TP ranks would drift apart."""
-    finalize_model_grads([ddp_model])
+    finalize_model_grads(ddp_chunks)
 
 
-def build_optimizer(ddp_model: DistributedDataParallel, args):
+def build_optimizer(ddp_chunks: list[DistributedDataParallel], args):
     """Megatron's Adam (AdamW-style decoupled weight decay) with gradient clipping; fp32 main
     weights when the model is bf16."""
     config = OptimizerConfig(
@@ -34,7 +39,7 @@ def build_optimizer(ddp_model: DistributedDataParallel, args):
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=args.use_distributed_optimizer)
     # gloo groups exist only in CPU runs (distributed.init_distributed creates them there)
-    return get_megatron_optimizer(config, [ddp_model],
+    return get_megatron_optimizer(config, ddp_chunks,
                                   use_gloo_process_groups=torch.distributed.get_backend() == "gloo")
 
 

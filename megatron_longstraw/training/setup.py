@@ -9,7 +9,7 @@ from megatron_longstraw.data.external_rollouts import ExternalRolloutDataset
 from megatron_longstraw.data.prompts import PromptDataset, resolve_max_prompt_length
 from megatron_longstraw.data.synthetic import KeyValueRetrievalTask, SyntheticRetrievalDataset
 from megatron_longstraw.data.tokenizer import build_tokenizer
-from megatron_longstraw.models.builder import build_model
+from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.rewards.registry import build_reward
@@ -31,12 +31,12 @@ def build_policy(args):
         transformer_impl=args.transformer_impl, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe, sequence_parallel=args.sequence_parallel,
         recompute_granularity=args.recompute_granularity)
-    model = build_model(hf, options)
+    model = build_stage_model(hf, options)  # under virtual pipeline stages: a StageChunks
     if args.pretrained_checkpoint:
         load_model_checkpoint(model, args.pretrained_checkpoint)
     reference = None
     if args.kl_coef > 0:
-        reference = build_model(hf, options)
+        reference = build_stage_model(hf, options)
         reference.load_state_dict(model.state_dict())
         reference.requires_grad_(False)
     tokenizer = build_tokenizer(dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,

@@ -4,7 +4,9 @@ layer cannot be split in two) and ``qwen3.5-0.8b`` (tied embeddings: the stages'
 tied weight's gradient are summed as the trainer does) — replay losses and per-parameter
 gradients (norms and two seeded projections, as ``test_context_parallel_gpu``) within bf16
 tolerance, and each stage's peak memory. The PP=1 run saves its weights; the stages load them
-(``load_full_state_dict`` picks each stage's layers). Phases go to stderr (``pytest -s``)."""
+(``load_full_state_dict`` picks each stage's layers). The tiny families also run with two
+virtual stages per rank (Megatron's interleaved schedule and its point-to-point exchange over
+NCCL). Phases go to stderr (``pytest -s``)."""
 
 import sys
 import time
@@ -39,23 +41,26 @@ def _phase(name: str) -> None:
           file=sys.stderr, flush=True)
 
 
-def _run(weights_dir: str, save: bool) -> dict:
-    """Per case: capture, replay losses, gradient projections and peak memory; the PP=1 run
-    (``save``) writes its weights, the stages read them."""
+def _run(weights_dir: str, save: bool, names=None) -> dict:
+    """Per case (``names``: all): capture, replay losses, gradient projections and peak memory;
+    the PP=1 run (``save``) writes its weights, the stages read them (each model chunk its layers
+    under virtual pipeline stages)."""
     from megatron_longstraw.distributed import device
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.replay import replay_responses
-    from megatron_longstraw.models.builder import build_model, load_full_state_dict
+    from megatron_longstraw.models.builder import build_stage_model, load_full_state_dict
     from megatron_longstraw.models.options import ModelOptions
 
     results = {}
     for name, (hf, prompt_length, chunk, lengths) in _cases().items():
-        model = build_model(hf, ModelOptions(params_dtype=torch.bfloat16))
+        if names is not None and name not in names:
+            continue
+        model = build_stage_model(hf, ModelOptions(params_dtype=torch.bfloat16))
         path = f"{weights_dir}/{name}.pt"
         if save:
             torch.save({n: p.detach().cpu() for n, p in model.named_parameters()}, path)
         else:
-            load_full_state_dict(model, torch.load(path))
+            load_full_state_dict(model, torch.load(path))  # each model chunk its own layers
         gen = torch.Generator(device=device()).manual_seed(0)
         prompt = torch.randint(0, hf["vocab_size"], (1, prompt_length), device=device(), generator=gen)
         responses = [torch.randint(0, hf["vocab_size"], (n,), device=device(), generator=gen) for n in lengths]
@@ -78,15 +83,42 @@ def _run(weights_dir: str, save: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    weights = str(tmp_path_factory.mktemp("pp-weights"))
+def weights(tmp_path_factory) -> str:
+    """Where the PP=1 run saves each case's weights for the pipeline runs."""
+    return str(tmp_path_factory.mktemp("pp-weights"))
+
+
+@pytest.fixture(scope="module")
+def runs(weights):
     reference = on_one_rank(_run, weights, True)
     torch.cuda.empty_cache()
     return reference, run_multiprocess(with_sizes, 2, ParallelSizes(pipeline=2), _run, weights, False)
 
 
+TINY = ("qwen3.5-debug", "glm-5-debug-full")
+
+
+@pytest.fixture(scope="module")
+def virtual_runs(runs, weights):
+    """PP=2 with two virtual stages per rank (Megatron's interleaved schedule over NCCL), the
+    tiny cases, from the PP=1 run's weights, against its results."""
+    reference, _ = runs
+    return reference, run_multiprocess(with_sizes, 2, ParallelSizes(pipeline=2, virtual_pipeline=2), _run,
+                                       weights, False, TINY)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_pp2_with_virtual_stages_matches_pp1_bf16_on_two_gpus(virtual_runs, name, record_property):
+    _check(virtual_runs, name, record_property)
+
+
 @pytest.mark.parametrize("name", list(_cases()))
 def test_pp2_matches_pp1_bf16_on_two_gpus(runs, name, record_property):
+    _check(runs, name, record_property)
+
+
+def _check(runs, name, record_property):
+    """Losses and gradient projections of the stages against PP=1, and the peaks."""
     reference, stages = runs
     ref = reference[name]
     losses = [stage[name]["losses"] for stage in stages if stage[name]["losses"]][0]
