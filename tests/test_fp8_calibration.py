@@ -80,3 +80,53 @@ def test_calibrating_replay_accumulates_what_a_plain_replay_does(single_process,
     assert set(grads) == set(plain)
     for name, want in plain.items():
         assert torch.equal(grads[name], want), name
+
+
+def _record_forwards(model, monkeypatch):
+    """Events of ``model``: "cast" when its TE layers are told to cast their weights to FP8 again
+    (``set_is_first_microbatch``), "forward" for each decoder pass."""
+    events = []
+    monkeypatch.setattr(model, "set_is_first_microbatch", lambda: events.append("cast"))
+    model.decoder.register_forward_pre_hook(lambda module, args: events.append("forward"))
+    return events
+
+
+@pytest.mark.parametrize("path", ["capture", "full_graph"])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_each_pass_recasts_weights_and_delayed_scaling_calibrates_its_first_forward(single_process, monkeypatch,
+                                                                                   path, delayed):
+    """Every capture (and full-graph pass) first makes the TE layers cast their weights to FP8
+    again (an optimizer step may have changed them). Under delayed scaling a model's first pass
+    runs its first chunk once beforehand, its result dropped, so the cast uses calibrated
+    scales; the captured state is what a capture without it gives."""
+    hf = resolve_hf_config("qwen3.5-debug")
+    weights = build_hf_model(hf, seed=0).double()
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, hf["vocab_size"], (1, 40), generator=gen)
+    responses = [torch.randint(0, hf["vocab_size"], (7,), generator=gen)]
+
+    def run(calibrate: bool):
+        model = megatron_from_hf(hf, weights, ModelOptions(params_dtype=torch.float64))
+        # stands in for "FP8 with delayed scaling" (TE is not on the CPU), the flag as in fp8.py
+        monkeypatch.setattr(fp8, "forward_scales_uncalibrated",
+                            lambda m: calibrate and not getattr(m, fp8._FORWARD_CALIBRATED, False))
+        events = _record_forwards(model, monkeypatch)
+        results = []
+        for _ in range(2):  # a second pass calibrates no more
+            if path == "capture":
+                with torch.no_grad():
+                    state = capture_prompt(model, prompt, 16)  # its last logits depend on every chunk
+                    results.append(torch.cat([state.last_hidden_1BH.flatten(), state.last_logits_BV.flatten()]))
+            else:
+                results.append(full_graph.full_graph_responses(model, prompt, responses, lambda lp, m, i: -lp.sum()))
+        return results, events
+
+    plain, plain_events = run(False)
+    results, events = run(delayed)
+    passes = ["forward"] * 3 if path == "capture" else ["forward"]  # 40 tokens in chunks of 16
+    # one chunk (a capture of its own), or the prompt + one response without gradients
+    calibration = ([] if not delayed else ["cast", "forward"] if path == "capture" else ["forward"])
+    assert plain_events == (["cast"] + passes) * 2
+    assert events == calibration + (["cast"] + passes) * 2
+    for got, want in zip(results, plain):
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(want))

@@ -10,7 +10,6 @@ linear time in both precisions (the ratio the FP8 issue asks for "on the linear 
 """
 
 import argparse
-import json
 import shlex
 import sys
 from collections import Counter
@@ -24,6 +23,7 @@ from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, i
 from megatron_longstraw.models.builder import build_model  # noqa: E402
 from megatron_longstraw.models.options import ModelOptions, have_transformer_engine  # noqa: E402
 from megatron_longstraw.models.presets import resolve_hf_config  # noqa: E402
+from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/)
 
 
 def parse_args(argv=None):
@@ -104,12 +104,8 @@ def main(argv=None) -> None:
               f"{r['fp8_tflops']:.0f} | {r['bf16_s'] / r['fp8_s']:.2f} |" for r in rows]
     lines += ["", f"Whole model's linear layers: bf16 {totals['bf16'] * 1e3:.1f} ms, FP8 {totals['fp8'] * 1e3:.1f} ms "
               f"per {args.tokens} tokens: **{speedup:.2f}x**."]
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"linear_fp8_{args.model}{('_' + args.tag) if args.tag else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(dict(command=command, rows=rows, totals_s=totals,
-                                                      speedup=speedup), indent=1))
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    write_bench_files(args.output_dir, bench_stem("linear_fp8", args.model, args.tag),
+                      dict(command=command, rows=rows, totals_s=totals, speedup=speedup), lines)
     print("\n".join(lines))
 
 

@@ -32,6 +32,7 @@ from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
 from megatron_longstraw.models.builder import build_stage_model  # noqa: E402
 from megatron_longstraw.models.options import ModelOptions  # noqa: E402
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers  # noqa: E402
+from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/)
 
 PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (../shared/offline-gpu/README.md)
 GiB = 2 ** 30
@@ -326,10 +327,7 @@ def _cell(value, spec):
 
 
 def write_outputs(results, args, command, quiet=False):
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_{args.model}{('_' + args.tag) if args.tag else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(dict(command=command, results=results), indent=1))
+    stem = bench_stem("bench", args.model, args.tag)
     lines = [f"# LongStraw benchmark: {args.model}", "", f"Command: `{command}`", "",
              "| mode | CP | PP | prompt | G | capture s | capture MFU | replay s (mean) | per-sample s | step s | state GiB | act GiB | peak GiB | floor GiB | peak/floor |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -368,7 +366,7 @@ def write_outputs(results, args, command, quiet=False):
         lines += [f"| {r['prompt_length']} | {r['group']} | " + " | ".join(
             f"{r['capture_split_s'].get(k, 0.0):.2f}" for k in ("indexer", "sparse_attention", "moe", "rest")) + " |"
             for r in splits]
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    out = write_bench_files(args.output_dir, stem, dict(command=command, results=results), lines)
     _plot(results, out / f"{stem}.png", command)
     if not quiet:
         print("\n".join(lines))

@@ -11,6 +11,7 @@ from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
 from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, output_logits
 from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
 from megatron_longstraw.longstraw.state import PromptState
+from megatron_longstraw.models.fp8 import prepare_forward
 from megatron_longstraw.models.pipeline_stage import last_chunk
 
 
@@ -38,6 +39,8 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     batch, length = prompt_ids_BS.shape
     if length > model.max_sequence_length:
         raise ValueError(f"prompt of {length} tokens exceeds the model's {model.max_sequence_length} positions")
+    # FP8: the weights are cast for this capture; delayed scaling's first forward (models/fp8.py)
+    prepare_forward(model, lambda: capture_prompt(model, prompt_ids_BS[:, :chunk_size], chunk_size))
     if context_parallel_group() is not None:
         return capture_prompt_cp(model, prompt_ids_BS, chunk_size, progress)
     check_pipeline(model)

@@ -15,7 +15,7 @@ from megatron_longstraw.longstraw.binding import Mode, bind
 from megatron_longstraw.longstraw.model_steps import (
     FinalNormInput, decode, embed, loss_of, output_logits)
 from megatron_longstraw.longstraw.replay import LossFn, pad_responses
-from megatron_longstraw.models.fp8 import calibrate_gradient_scales, gradient_scales_uncalibrated
+from megatron_longstraw.models.fp8 import calibrate_gradient_scales, gradient_scales_uncalibrated, prepare_forward
 
 
 def full_graph_logits(model, prompt_ids_1S: torch.Tensor, response_ids_BR: torch.Tensor) -> torch.Tensor:
@@ -40,6 +40,8 @@ def full_graph_hidden(model, prompt_ids_1S: torch.Tensor, response_ids_BR: torch
 def full_graph_responses(model, prompt_ids_1S: torch.Tensor, responses: Sequence[torch.Tensor],
                          loss_fn: LossFn, micro_batch_size: int = 1) -> list[float]:
     """Like ``replay_responses`` but each micro-batch runs prompt + responses with autograd."""
+    with torch.no_grad():  # FP8: weights cast for this pass; delayed scaling's first forward (models/fp8.py)
+        prepare_forward(model, lambda: full_graph_hidden(model, prompt_ids_1S, responses[0][None]))
     if gradient_scales_uncalibrated(model):  # FP8 delayed scaling: a model's first backward (models/fp8.py)
         calibrate_gradient_scales(model, lambda: full_graph_responses(
             model, prompt_ids_1S, responses[:micro_batch_size], loss_fn, micro_batch_size))

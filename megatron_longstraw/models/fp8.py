@@ -19,19 +19,37 @@ the response replay (forward and backward). What the recipe keeps between calls:
   gradient normalized over thousands of tokens to zero. So the first replay of a delayed-scaling
   model runs its first micro-batch once more before the real one (``calibrate_gradient_scales``):
   that backward records the gradient amaxes and its gradients are dropped. Once per process; a
-  checkpoint resumed in a new process calibrates again, which costs one micro-batch. (Open
-  defect: on ``qwen3.5-0.8b`` the FP8 replay gradients are still far from bf16's with this
-  calibration, and with ``tensorwise`` too, while the loss agrees; ``docs/transformer_engine.md``.)
+  checkpoint resumed in a new process calibrates again, which costs one micro-batch.
+  (On random weights FP8 moves ``qwen3.5-0.8b``'s replay gradients to cosine ~0.42 from bf16's
+  whatever the implementation: an exact emulation of FP8 numerics gives that too,
+  ``tools/fp8_sensitivity.py``. TE's delayed scaling gave 0.067 before ``prepare_forward``,
+  below: ``docs/transformer_engine.md``.)
 - ``tensorwise`` (``Float8CurrentScaling``), ``blockwise`` (``Float8BlockScaling``), ``mxfp8``: the
   scales come from the tensor being cast, so there is no state to carry; capture and replay are
   independent by construction.
-- Weights are cast to FP8 at every forward (Megatron passes no ``is_first_microbatch``), so an
-  optimizer step between groups is always seen.
+- The weights' FP8 copies: Megatron's TE layers pass ``is_first_microbatch=True`` to TE on
+  their first call and ``False`` ever after, so TE casts each weight to FP8 once and reuses that
+  copy, until ``set_is_first_microbatch()`` raises the flag again (Megatron's pipeline schedule
+  does so at each step's first micro-batch; LongStraw's capture does not run through it).
+  Without that, every forward after an optimizer step would run on the step-0 weights. So each
+  prompt capture and each full-graph pass begins with ``prepare_forward``: the weights are cast
+  again, once, for the capture, the rollouts and the replay of that group (the weights do not
+  change in between).
+- Delayed scaling's first forward has no amax history either: TE casts with scale 1.0, which
+  puts weights of scale 0.02 into E4M3's subnormal range (steps of 0.002, smaller values flushed
+  to zero), and the weight copy cast then would be kept for the whole first step. So a delayed-
+  scaling model's first capture (or full-graph pass) runs its first chunk once beforehand, with
+  the result dropped: the forward amax histories (weights and activations) then hold real
+  values, and the weights are cast with them. Once per process, one chunk.
 - The prompt state itself (K/V pages, MLA latents, indexer keys, Gated DeltaNet states) stays in
   the model's dtype: FP8 applies to the GEMMs, not to what is kept.
 """
 
+from typing import Callable
+
 import torch
+
+from megatron_longstraw.models.pipeline_stage import model_chunks
 
 
 def probe_fp8_recipe(config) -> None:
@@ -53,19 +71,25 @@ def probe_fp8_recipe(config) -> None:
 
 
 _CALIBRATED = "_longstraw_fp8_gradients_calibrated"
+_FORWARD_CALIBRATED = "_longstraw_fp8_forward_calibrated"
 
 
 def _recipe(config) -> str:
     return getattr(config.fp8_recipe, "value", config.fp8_recipe)
 
 
+def _delayed_scaling_without(model, flag: str) -> bool:
+    """True when ``model`` runs FP8 with delayed scaling and has not set ``flag``."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "fp8", None) or getattr(model, flag, False):
+        return False
+    return _recipe(config) == "delayed"
+
+
 def gradient_scales_uncalibrated(model) -> bool:
     """True while ``model`` runs FP8 with delayed scaling and has had no calibration backward:
     its gradient scales are then TE's initial 1.0 (see the module docstring)."""
-    config = getattr(model, "config", None)
-    if config is None or not getattr(config, "fp8", None) or getattr(model, _CALIBRATED, False):
-        return False
-    return _recipe(config) == "delayed"
+    return _delayed_scaling_without(model, _CALIBRATED)
 
 
 def calibrate_gradient_scales(model, backward_once) -> None:
@@ -82,3 +106,21 @@ def calibrate_gradient_scales(model, backward_once) -> None:
         p.grad = None
         if getattr(p, "main_grad", None) is not None:
             p.main_grad.zero_()
+
+
+def forward_scales_uncalibrated(model) -> bool:
+    """True while ``model`` runs FP8 with delayed scaling and has run no forward yet: its weight
+    and activation scales are then TE's initial 1.0 (see the module docstring)."""
+    return _delayed_scaling_without(model, _FORWARD_CALIBRATED)
+
+
+def prepare_forward(model, forward_once: Callable[[], object]) -> None:
+    """Before a prompt capture or a full-graph pass: if the forward scales are uncalibrated, run
+    ``forward_once()`` (a forward whose result the caller drops) so that they are not; then make
+    every TE layer of every model chunk cast its weight to FP8 again at its next call (Megatron's
+    ``set_is_first_microbatch``, a no-op without FP8)."""
+    if forward_scales_uncalibrated(model):
+        setattr(model, _FORWARD_CALIBRATED, True)
+        forward_once()
+    for chunk in model_chunks(model):
+        chunk.set_is_first_microbatch()

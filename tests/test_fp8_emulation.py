@@ -1,0 +1,124 @@
+"""The FP8 emulation (``testing/fp8_emulation.py``) that tells FP8's own effect on a model from
+Transformer Engine's: casts land on the FP8 grid within FP8's rounding, a switched linear layer
+computes forward and backward from the cast operands, delayed scaling casts with the previous
+call's amax, and leaving the block restores the model bit for bit."""
+
+import pytest
+import torch
+
+from megatron_longstraw.testing.fp8_emulation import E4M3, E5M2, emulated_fp8_linears, quantize_dequantize
+
+
+@pytest.mark.parametrize("dtype, mantissa_bits", [(E4M3, 3), (E5M2, 2)])
+def test_cast_lands_on_the_fp8_grid_within_its_rounding(dtype, mantissa_bits):
+    t = torch.randn(4096) * 3.0
+    q = quantize_dequantize(t, dtype)
+    scale = torch.finfo(dtype).max / t.abs().max().float()
+    on_grid = (q * scale).float()  # representable, up to the division by the scale and back
+    torch.testing.assert_close(on_grid.to(dtype).float(), on_grid, rtol=1e-6, atol=0)
+    normal = (t * scale).abs() >= torch.finfo(dtype).smallest_normal
+    relative = ((q - t).abs() / t.abs())[normal]
+    assert relative.max() <= 2.0 ** -(mantissa_bits + 1) * (1 + 1e-6) and relative.max() > 0
+    torch.testing.assert_close(q.abs().max(), t.abs().max(), rtol=1e-6, atol=0)  # the amax: exact
+
+
+def test_cast_with_a_smaller_amax_saturates():
+    t = torch.linspace(-2.0, 2.0, 101)
+    q = quantize_dequantize(t, E4M3, amax=torch.tensor(1.0))
+    saturated = q[t.abs() >= 1.0]
+    assert q.max() == 1.0 and q.min() == -1.0 and torch.equal(saturated.abs(), torch.ones_like(saturated))
+
+
+def _tiny_model():
+    from megatron_longstraw.models.builder import build_model
+    from megatron_longstraw.models.presets import resolve_hf_config
+
+    torch.manual_seed(0)
+    return build_model(resolve_hf_config("qwen3.5-debug"))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_switched_linear_computes_forward_and_backward_from_cast_operands(single_process, recipe):
+    """Two calls of one MLP input projection: the second call's input is 3x the first's, so
+    under delayed scaling it casts with the first call's amax and saturates."""
+    fc1 = _tiny_model().decoder.layers[0].mlp.linear_fc1
+    w = fc1.weight
+    x1 = torch.randn(5, 2, w.shape[1])
+    x2 = (3 * x1).requires_grad_()
+    grad_y = torch.randn(5, 2, w.shape[0]) * 1e-3
+    with emulated_fp8_linears(fc1, recipe):
+        fc1(x1)
+        y2, _ = fc1(x2)
+        y2.backward(grad_y)
+    amax_x = x1.abs().max() if recipe == "delayed" else x2.abs().max()
+    x8, w8 = quantize_dequantize(x2.detach(), E4M3, amax_x), quantize_dequantize(w.detach(), E4M3)
+    g8 = quantize_dequantize(grad_y, E5M2)  # the first backward: its own amax in both recipes
+    torch.testing.assert_close(y2, x8 @ w8.t(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x2.grad, g8 @ w8, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, g8.reshape(10, -1).t() @ x8.reshape(10, -1), rtol=1e-6, atol=1e-6)
+    assert bool(torch.isclose(x8.abs().max(), x1.abs().max())) == (recipe == "delayed")  # delayed: saturated
+
+
+def test_model_switch_covers_the_te_fp8_gemms_and_restores(single_process):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    model = _tiny_model()
+    tokens = torch.randint(0, 256, (1, 64))
+    linears = [n for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    with torch.no_grad():
+        before = model(tokens, None, None)
+        with emulated_fp8_linears(model) as switched:
+            fp8 = model(tokens, None, None)
+        after = model(tokens, None, None)
+    assert switched == len(linears) - 1 and "output_layer" in linears  # all but the output layer
+    assert torch.equal(before, after)
+    rel = ((fp8 - before).norm() / before.norm()).item()
+    assert 1e-4 < rel < 0.1, rel  # FP8 rounding took effect, and only rounding
+
+
+def test_unknown_recipe_is_refused(single_process):
+    with pytest.raises(ValueError, match="emulated FP8 recipe"):
+        with emulated_fp8_linears(torch.nn.Linear(2, 2), "mxfp8"):
+            pass
+
+
+@pytest.mark.parametrize("passes", ["forward", "backward"])
+def test_one_pass_casts_only_in_that_pass(single_process, passes):
+    fc1 = _tiny_model().decoder.layers[0].mlp.linear_fc1
+    w = fc1.weight
+    x = torch.randn(5, 2, w.shape[1], requires_grad=True)
+    grad_y = torch.randn(5, 2, w.shape[0]) * 1e-3
+    with emulated_fp8_linears(fc1, passes=passes):
+        y, _ = fc1(x)
+        y.backward(grad_y)
+    forward = passes == "forward"
+    x8 = quantize_dequantize(x.detach(), E4M3) if forward else x.detach()
+    w8 = quantize_dequantize(w.detach(), E4M3) if forward else w.detach()
+    g8 = grad_y if forward else quantize_dequantize(grad_y, E5M2)
+    torch.testing.assert_close(y, x8 @ w8.t(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, g8 @ w8, rtol=1e-6, atol=1e-6)
+
+
+def test_sensitivity_tool_end_to_end(tmp_path):
+    """``tools/fp8_sensitivity.py`` on the tiny model: every variant reported, FP8 moves the
+    gradients further than bf16 rounding does, and a bad flag exits with one line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools/fp8_sensitivity.py"
+    run = subprocess.run([sys.executable, str(tool), "--model", "qwen3.5-debug", "--prompt-length", "96",
+                          "--response-length", "24", "--prompt-chunk-size", "32", "--output-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((tmp_path / "fp8_sensitivity_qwen3.5-debug.json").read_text())
+    variants = report["variants"]
+    from megatron_longstraw.models.presets import resolve_hf_config
+
+    layers = resolve_hf_config("qwen3.5-debug")["num_hidden_layers"]
+    assert len(variants) == 5 and len(report["layer_rel_err"]) == layers + 1  # and the final norm
+    assert 0 < variants["fp8 tensorwise"]["cosine"] < variants["bf16 GEMM operands"]["cosine"] < 1
+    assert (tmp_path / "fp8_sensitivity_qwen3.5-debug.md").read_text().startswith("# FP8 sensitivity")
+    bad = subprocess.run([sys.executable, str(tool), "--prompt-length", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == "error: --prompt-length must be >= 1"

@@ -1,0 +1,174 @@
+"""How far FP8 GEMM numerics move a model's LongStraw replay gradients, measured without
+Transformer Engine: the local-spec model in fp32 on CPU (or GPU), its linear layers switched to
+emulated FP8 (``testing/fp8_emulation.py``), against the same model without FP8.
+
+Every variant captures the same prompt and replays the same G responses with the loss of the
+GPU FP8 test (``-sum(logprobs) / response tokens``) and reports the loss's relative error, the
+whole-model gradient cosine and the parameters that pull it down. A forward of one response
+reports how the relative error of the hidden states grows layer by layer under FP8. If the
+emulation's cosine is as low as Transformer Engine's, the low cosine is FP8's own effect on the
+model; if TE's is lower, TE adds an error of its own.
+
+    python tools/fp8_sensitivity.py --model qwen3.5-0.8b --prompt-length 1024 --response-length 256
+"""
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
+from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
+from megatron_longstraw.models.builder import build_model  # noqa: E402
+from megatron_longstraw.models.options import ModelOptions  # noqa: E402
+from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers  # noqa: E402
+from megatron_longstraw.testing.fp8_emulation import emulated_fp8_linears, switched_linears  # noqa: E402
+from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/)
+
+VARIANTS = {  # name: (recipe, passes); "bf16" rounds the same GEMM operands to bf16 instead
+    "fp8 tensorwise": ("tensorwise", "both"),
+    "fp8 delayed": ("delayed", "both"),
+    "fp8 tensorwise, forward only": ("tensorwise", "forward"),
+    "fp8 tensorwise, backward only": ("tensorwise", "backward"),
+    "bf16 GEMM operands": None,
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3.5-0.8b")
+    p.add_argument("--num-layers", type=int, default=None, help="the model's widths at this depth")
+    p.add_argument("--prompt-length", type=int, default=1024)
+    p.add_argument("--response-length", type=int, default=256)
+    p.add_argument("--num-generations", type=int, default=2)
+    p.add_argument("--prompt-chunk-size", type=int, default=1024)
+    p.add_argument("--output-dir", default="docs/bench")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    for flag in ("prompt_length", "response_length", "num_generations", "prompt_chunk_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    return args
+
+
+def bf16_linears(model):
+    """The same linear layers as ``emulated_fp8_linears``, their inputs, weights and output
+    gradients rounded to bf16: the precision the FP8 test compares against, for scale."""
+    class Round(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.to(torch.bfloat16).to(t.dtype)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.to(torch.bfloat16).to(g.dtype)
+
+    def forward_impl(input, weight, bias=None, **_):
+        out = Round.apply(input) @ Round.apply(weight).t()
+        return out if bias is None else out + bias
+
+    return switched_linears(model, lambda: forward_impl)
+
+
+def replay_gradients(model, prompt, responses, chunk_size):
+    """Loss and ``{name: flat gradient}`` of one capture + replay of ``responses``."""
+    model.zero_grad(set_to_none=True)
+    tokens = sum(len(r) for r in responses)
+    with torch.no_grad():
+        state = capture_prompt(model, prompt, chunk_size)
+    loss = sum(replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / tokens, 1))
+    return loss, {n: p.grad.detach().flatten().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(reference, measured):
+    """Whole-model cosine, and per parameter (cosine, share of the reference's squared norm)."""
+    (loss0, g0), (loss1, g1) = reference, measured
+    assert g0.keys() == g1.keys()
+    sq0 = {n: torch.dot(g, g).item() for n, g in g0.items()}
+    sq1 = {n: torch.dot(g, g).item() for n, g in g1.items()}
+    dots = {n: torch.dot(g1[n], g0[n]).item() for n in g0}
+    cosine = sum(dots.values()) / (sum(sq0.values()) * sum(sq1.values())) ** 0.5
+    total = sum(sq0.values())
+    per_param = {n: (dots[n] / max(sq0[n] * sq1[n], 1e-300) ** 0.5, sq0[n] / total) for n in g0}
+    return dict(loss_rel_err=abs(loss1 - loss0) / abs(loss0), cosine=cosine, per_param=per_param)
+
+
+def layer_errors(model, tokens_1S):
+    """Relative error of each decoder layer's output (and the final norm's) under FP8
+    tensorwise, one forward of ``tokens_1S``."""
+    outputs = {}
+    modules = {f"layer {i}": layer for i, layer in enumerate(model.decoder.layers)}
+    modules["final norm"] = model.decoder.final_layernorm
+    hooks = [m.register_forward_hook(lambda m, i, o, name=name: outputs.setdefault(name, []).append(
+        (o[0] if isinstance(o, tuple) else o).detach().clone())) for name, m in modules.items()]
+    with torch.no_grad():
+        model(tokens_1S, None, None)
+        with emulated_fp8_linears(model):
+            model(tokens_1S, None, None)
+    for hook in hooks:
+        hook.remove()
+    return {name: ((b - a).norm() / a.norm()).item() for name, (a, b) in outputs.items()}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    init_distributed(ParallelSizes(), seed=1234)
+    try:
+        hf = resolve_hf_config(args.model)
+        if args.num_layers:
+            hf = with_num_layers(hf, args.num_layers)
+        torch.manual_seed(0)
+        model = build_model(hf, ModelOptions())
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, hf["vocab_size"], (1, args.prompt_length), generator=gen).to(device())
+        responses = [torch.randint(0, hf["vocab_size"], (args.response_length,), generator=gen).to(device())
+                     for _ in range(args.num_generations)]
+        start = time.time()
+        reference = replay_gradients(model, prompt, responses, args.prompt_chunk_size)
+        rows = {}
+        for name, spec in VARIANTS.items():
+            switch = bf16_linears(model) if spec is None else emulated_fp8_linears(model, *spec)
+            with switch:
+                rows[name] = compare(reference, replay_gradients(model, prompt, responses, args.prompt_chunk_size))
+            print(f"{name}: cosine {rows[name]['cosine']:.4f}", flush=True)
+        layers = layer_errors(model, responses[0][None])
+        seconds = time.time() - start
+    finally:
+        destroy_distributed()
+    write_report(args, command, hf, rows, layers, seconds)
+
+
+def write_report(args, command, hf, rows, layers, seconds) -> None:
+    lines = [f"# FP8 sensitivity of {args.model} ({hf['num_hidden_layers']} layers, random weights), emulated", "",
+             f"Command: `{command}` ({seconds:.0f} s)", "",
+             f"Prompt {args.prompt_length} tokens, {args.num_generations} responses of {args.response_length}; "
+             "reference: the same model without rounding, fp32.", "",
+             "| variant | loss rel. error | gradient cosine | weakest large parameter (cosine, share of grad norm) |",
+             "| --- | --- | --- | --- |"]
+    for name, row in rows.items():
+        params = [(c, w, n) for n, (c, w) in row["per_param"].items()]
+        c, w, n = min([p for p in params if p[1] >= 0.01] or params)
+        lines.append(f"| {name} | {row['loss_rel_err']:.1e} | {row['cosine']:.4f} | `{n}` {c:.3f}, {w:.0%} |")
+    shown = [k for k in layers if k == "final norm" or int(k.split()[1]) % 4 == 0 or k == f"layer {len(layers) - 2}"]
+    lines += ["", "Hidden-state relative error after each layer, FP8 tensorwise, one forward of a response:", "",
+              "| " + " | ".join(shown) + " |", "|" + " --- |" * len(shown),
+              "| " + " | ".join(f"{layers[k]:.3f}" for k in shown) + " |"]
+    summary = {name: {k: v for k, v in row.items() if k != "per_param"} for name, row in rows.items()}
+    record = dict(command=command, variants=summary, layer_rel_err=layers,
+                  per_param={name: row["per_param"] for name, row in rows.items()})
+    write_bench_files(args.output_dir, bench_stem("fp8_sensitivity", args.model, args.tag), record, lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as err:
+        raise SystemExit(f"error: {err}")
