@@ -2,8 +2,9 @@
 and a probe that turns an FP8 recipe this GPU or TE cannot run into a ``ValueError`` naming the
 flags.
 
-Megatron enters TE's ``fp8_autocast`` around every transformer layer it runs (``get_fp8_context``
-in ``TransformerBlock``), with the recipe built from ``--fp8-format``/``--fp8-recipe``. LongStraw
+Megatron's ``TransformerBlock`` enters TE's ``fp8_autocast`` (``get_fp8_context``, the recipe
+built from ``--fp8-format``/``--fp8-recipe``) around the whole block under delayed scaling and
+around each layer otherwise. LongStraw
 runs the same blocks in both phases, so FP8 covers the prompt capture (many no-grad chunks) and
 the response replay (forward and backward). What the recipe keeps between calls:
 

@@ -104,8 +104,9 @@ def test_fp8_replay_tracks_bf16_on_qwen_0_8b_at_32k(single_process, record_prope
         finite.append(bool(torch.isfinite(torch.tensor(loss))) and
                       all(bool(torch.isfinite(p.grad).all()) for p in fp8.parameters() if p.grad is not None))
     record_property("loss_rel_err_grad_cosine", f"{loss_error:.2e},{cosine:.4f}")
+    record_property("finite_replays", f"{sum(finite)}/{len(finite)}")
+    assert all(finite), finite  # first: the cosine check cannot pass on random weights (tools/fp8_sensitivity.py)
     assert loss_error <= 0.01 and cosine >= 0.99, (loss_error, cosine)
-    assert all(finite), finite
 
 
 
