@@ -4,9 +4,9 @@ flags.
 
 Megatron's ``TransformerBlock`` enters TE's ``fp8_autocast`` (``get_fp8_context``, the recipe
 built from ``--fp8-format``/``--fp8-recipe``) around the whole block under delayed scaling and
-around each layer otherwise. LongStraw
-runs the same blocks in both phases, so FP8 covers the prompt capture (many no-grad chunks) and
-the response replay (forward and backward). What the recipe keeps between calls:
+around each layer otherwise. LongStraw runs the same blocks in both phases, so FP8 covers the
+prompt capture (many no-grad chunks) and the response replay (forward and backward). What the
+recipe keeps between calls:
 
 - ``delayed`` (``DelayedScaling``): each FP8 tensor's scale comes from a history of its amax over
   earlier forwards (and, for gradients, earlier backwards). The capture's chunks are forwards of

@@ -14,8 +14,8 @@ accumulate exactly (in the model's dtype). ``recipe``:
   backward (``models/fp8.py``) run before the first replay, so no replay sees TE's initial scale.
 
 ``passes="forward"`` or ``"backward"`` casts in that pass only (the other computes from the
-uncast tensors): which of the two moves a model's gradients. Runs on CPU and GPU, one tensor-parallel rank without sequence parallelism (``ValueError``
-otherwise).
+uncast tensors): which of the two moves a model's gradients. Runs on CPU and GPU, on one
+tensor-parallel rank without sequence parallelism (``ValueError`` otherwise).
 """
 
 from contextlib import contextmanager
