@@ -82,11 +82,24 @@ def test_calibrating_replay_accumulates_what_a_plain_replay_does(single_process,
         assert torch.equal(grads[name], want), name
 
 
+def test_failed_calibration_forward_leaves_the_model_uncalibrated(monkeypatch):
+    layer = _linear("hybrid", "delayed")
+    monkeypatch.setattr(fp8, "update_delayed_forward_scales", lambda: pytest.fail("no forward, no update"))
+
+    def forward_once():
+        raise RuntimeError("CUDA out of memory")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        fp8.prepare_forward(layer, forward_once)
+    assert fp8.forward_scales_uncalibrated(layer)  # the next pass calibrates again
+
+
 def _record_forwards(model, monkeypatch):
     """Events of ``model``: "cast" when its TE layers are told to cast their weights to FP8 again
-    (``set_is_first_microbatch``), "forward" for each decoder pass."""
+    (``set_is_first_microbatch``), "update" when TE is told to set the delayed forward scales from
+    the recorded amaxes, "forward" for each decoder pass."""
     events = []
     monkeypatch.setattr(model, "set_is_first_microbatch", lambda: events.append("cast"))
+    monkeypatch.setattr(fp8, "update_delayed_forward_scales", lambda: events.append("update"))
     model.decoder.register_forward_pre_hook(lambda module, args: events.append("forward"))
     return events
 
@@ -97,8 +110,9 @@ def test_each_pass_recasts_weights_and_delayed_scaling_calibrates_its_first_forw
                                                                                    path, delayed):
     """Every capture (and full-graph pass) first makes the TE layers cast their weights to FP8
     again (an optimizer step may have changed them). Under delayed scaling a model's first pass
-    runs its first chunk once beforehand, its result dropped, so the cast uses calibrated
-    scales; the captured state is what a capture without it gives."""
+    runs its first chunk once beforehand, its result dropped, and has TE update the forward
+    scales from it (no-grad passes do not), so the cast uses calibrated scales; the captured
+    state is what a capture without it gives."""
     hf = resolve_hf_config("qwen3.5-debug")
     weights = build_hf_model(hf, seed=0).double()
     gen = torch.Generator().manual_seed(0)
@@ -125,7 +139,7 @@ def test_each_pass_recasts_weights_and_delayed_scaling_calibrates_its_first_forw
     results, events = run(delayed)
     passes = ["forward"] * 3 if path == "capture" else ["forward"]  # 40 tokens in chunks of 16
     # one chunk (a capture of its own), or the prompt + one response without gradients
-    calibration = ([] if not delayed else ["cast", "forward"] if path == "capture" else ["forward"])
+    calibration = ([] if not delayed else ["cast", "forward", "update"] if path == "capture" else ["forward", "update"])
     assert plain_events == (["cast"] + passes) * 2
     assert events == calibration + (["cast"] + passes) * 2
     for got, want in zip(results, plain):

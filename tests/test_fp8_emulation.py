@@ -122,3 +122,23 @@ def test_sensitivity_tool_end_to_end(tmp_path):
     assert (tmp_path / "fp8_sensitivity_qwen3.5-debug.md").read_text().startswith("# FP8 sensitivity")
     bad = subprocess.run([sys.executable, str(tool), "--prompt-length", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == "error: --prompt-length must be >= 1"
+
+
+def test_delayed_scales_move_only_with_gradients_enabled(single_process):
+    """Like TE: a no-grad call (a capture chunk) casts with the last scale but does not move it."""
+    fc1 = _tiny_model().decoder.layers[0].mlp.linear_fc1
+    w = fc1.weight.detach()
+    x = torch.randn(5, 2, w.shape[1])
+    w8 = quantize_dequantize(w, E4M3)
+    with emulated_fp8_linears(fc1, "delayed"):
+        fc1(x)  # with gradients: the input scale now comes from x
+        with torch.no_grad():
+            y_big, _ = fc1(4 * x)  # cast with x's amax (saturates) and leaves it
+            y_again, _ = fc1(4 * x)
+        y_last, _ = fc1(4 * x)  # still x's amax: the no-grad calls did not move it
+        y_moved, _ = fc1(4 * x)  # now 4x's own amax
+    saturated = quantize_dequantize(4 * x, E4M3, x.abs().max()) @ w8.t()
+    torch.testing.assert_close(y_big, saturated, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y_again, saturated, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y_last, saturated, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y_moved, quantize_dequantize(4 * x, E4M3) @ w8.t(), rtol=1e-6, atol=1e-6)

@@ -9,12 +9,10 @@ prompt capture (many no-grad chunks) and the response replay (forward and backwa
 recipe keeps between calls:
 
 - ``delayed`` (``DelayedScaling``): each FP8 tensor's scale comes from a history of its amax over
-  earlier forwards (and, for gradients, earlier backwards). The capture's chunks are forwards of
-  the same weights over tokens of the same distribution as the responses, so they enter the
-  forward histories like any training forward: by the time the first response replays, the
-  activation and weight scales are calibrated on the whole prompt instead of starting from the
-  default. The gradient histories only ever see backward passes, i.e. replays. Nothing is reset
-  between the phases: resetting would make each step's first replay run on uncalibrated scales.
+  earlier forwards (and, for gradients, earlier backwards). TE moves the forward scales only
+  when an ``fp8_autocast`` region exits with gradients enabled: the capture's no-grad chunks
+  record amaxes but keep the scales that the last replay forward left (the previous step's, in
+  training), and each replay forward moves them on. Nothing is reset between the phases.
   A model's very first backward has no gradient history at all: TE casts its output gradients
   with the initial scale 1.0, and E5M2 (smallest subnormal 1.5e-5) flushes most of a loss
   gradient normalized over thousands of tokens to zero. So the first replay of a delayed-scaling
@@ -38,10 +36,13 @@ recipe keeps between calls:
   change in between).
 - Delayed scaling's first forward has no amax history either: TE casts with scale 1.0, which
   puts weights of scale 0.02 into E4M3's subnormal range (steps of 0.002, smaller values flushed
-  to zero), and the weight copy cast then would be kept for the whole first step. So a delayed-
-  scaling model's first capture (or full-graph pass) runs its first chunk once beforehand, with
-  the result dropped: the forward amax histories (weights and activations) then hold real
-  values, and the weights are cast with them. Once per process, one chunk.
+  to zero), and since the capture runs without gradients the scales would stay at 1.0 for the
+  whole capture, and the weight copy cast then for the whole first step. So a delayed-scaling
+  model's first capture (or full-graph pass) runs its first chunk once beforehand, result
+  dropped, then has TE update the forward scales from the amaxes it recorded
+  (``update_delayed_forward_scales``, what an autocast exit with gradients does; every rank of
+  the amax-reduction group calibrates at its first capture); the weights are then cast with
+  them. Once per process, one chunk (in a full-graph pass: the prompt and one response).
 - The prompt state itself (K/V pages, MLA latents, indexer keys, Gated DeltaNet states) stays in
   the model's dtype: FP8 applies to the GEMMs, not to what is kept.
 """
@@ -121,7 +122,21 @@ def prepare_forward(model, forward_once: Callable[[], object]) -> None:
     every TE layer of every model chunk cast its weight to FP8 again at its next call (Megatron's
     ``set_is_first_microbatch``, a no-op without FP8)."""
     if forward_scales_uncalibrated(model):
-        setattr(model, _FORWARD_CALIBRATED, True)
-        forward_once()
+        setattr(model, _FORWARD_CALIBRATED, True)  # before: ``forward_once`` may be a capture itself
+        try:
+            forward_once()
+        except BaseException:
+            delattr(model, _FORWARD_CALIBRATED)
+            raise
+        update_delayed_forward_scales()
     for chunk in model_chunks(model):
         chunk.set_is_first_microbatch()
+
+
+def update_delayed_forward_scales() -> None:
+    """Have TE reduce the recorded forward amaxes over their groups and set the delayed-scaling
+    forward scales from them: what leaving an ``fp8_autocast`` region with gradients enabled does
+    (TE skips it without gradients, as in the capture). Collective over each amax-reduction group."""
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+    FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=True)

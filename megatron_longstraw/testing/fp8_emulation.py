@@ -9,9 +9,10 @@ accumulate exactly (in the model's dtype). ``recipe``:
 
 - ``tensorwise`` (TE's ``Float8CurrentScaling``): the scale comes from the tensor being cast;
 - ``delayed`` (TE's ``DelayedScaling`` with Megatron's default history of one): the scale comes
-  from the amax of the same tensor role at the module's previous call, and the cast saturates.
-  A role's first cast uses its own amax: in LongStraw the prompt capture and the calibration
-  backward (``models/fp8.py``) run before the first replay, so no replay sees TE's initial scale.
+  from the amax the same tensor role had at the module's last call with gradients enabled (TE
+  moves forward scales only then; gradient scales at every backward), and the cast saturates.
+  A role's first cast uses its own amax, as LongStraw's calibrations make TE do (the first
+  capture's dropped chunk and the first replay's dropped backward, ``models/fp8.py``).
 
 ``passes="forward"`` or ``"backward"`` casts in that pass only (the other computes from the
 uncast tensors): which of the two moves a model's gradients. Runs on CPU and GPU, on one
@@ -45,16 +46,20 @@ class _Scales:
     def __init__(self, recipe: str, passes: str):
         self.recipe, self.passes, self.previous = recipe, passes, {}
 
-    def cast(self, role: str, t: torch.Tensor, dtype: torch.dtype, backward: bool) -> torch.Tensor:
+    def cast(self, role: str, t: torch.Tensor, dtype: torch.dtype, backward: bool, moves: bool) -> torch.Tensor:
+        """``t`` cast for ``role``; under delayed scaling ``moves`` says whether this cast's amax
+        becomes the role's next scale."""
         if self.passes != "both" and (self.passes == "backward") != backward:
             return t
-        return quantize_dequantize(t, dtype, self.amax(role, t))
+        return quantize_dequantize(t, dtype, self.amax(role, t, moves))
 
-    def amax(self, role: str, t: torch.Tensor) -> torch.Tensor:
+    def amax(self, role: str, t: torch.Tensor, moves: bool) -> torch.Tensor:
         current = t.detach().abs().amax()
         if self.recipe == "tensorwise":
             return current
-        amax, self.previous[role] = self.previous.get(role, current), current
+        amax = self.previous.setdefault(role, current)
+        if moves:
+            self.previous[role] = current
         return amax
 
 
@@ -63,9 +68,9 @@ class _Fp8Linear(torch.autograd.Function):
     and the same E4M3 operands (what TE keeps for backward)."""
 
     @staticmethod
-    def forward(ctx, x_SBI, weight_OI, scales: _Scales):
-        x8 = scales.cast("input", x_SBI, E4M3, backward=False)
-        w8 = scales.cast("weight", weight_OI, E4M3, backward=False)
+    def forward(ctx, x_SBI, weight_OI, scales: _Scales, grad_enabled: bool):
+        x8 = scales.cast("input", x_SBI, E4M3, backward=False, moves=grad_enabled)
+        w8 = scales.cast("weight", weight_OI, E4M3, backward=False, moves=grad_enabled)
         ctx.save_for_backward(x8, w8)
         ctx.scales = scales
         return x8 @ w8.t()
@@ -73,15 +78,15 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_SBO):
         x8, w8 = ctx.saved_tensors
-        g8 = ctx.scales.cast("grad_output", grad_SBO, E5M2, backward=True)
+        g8 = ctx.scales.cast("grad_output", grad_SBO, E5M2, backward=True, moves=True)
         grad_weight_OI = g8.reshape(-1, g8.shape[-1]).t() @ x8.reshape(-1, x8.shape[-1])
-        return g8 @ w8, grad_weight_OI, None
+        return g8 @ w8, grad_weight_OI, None, None
 
 
 def _fp8_forward_impl(scales: _Scales):
     def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False, **_):
         assert not gradient_accumulation_fusion, "emulated FP8 writes .grad, not main_grad"
-        out = _Fp8Linear.apply(input, weight, scales)
+        out = _Fp8Linear.apply(input, weight, scales, torch.is_grad_enabled())  # (off inside apply)
         return out if bias is None else out + bias
     return forward_impl
 
@@ -92,18 +97,18 @@ def switched_linears(model: torch.nn.Module, make_forward_impl: Callable[[], Cal
     layers except the output layer (the GEMMs Megatron's TE spec runs in FP8) computes with its
     own ``make_forward_impl()`` (Megatron's ``_forward_impl`` signature); yields how many layers
     are switched. Restores them after."""
-    switched = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or name.endswith("output_layer"):
-            continue
+    switched = [(name, module) for name, module in model.named_modules()
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not name.endswith("output_layer")]
+    for name, module in switched:  # all checked before any is switched
         if get_pg_size(module.tp_group) > 1 or module.sequence_parallel:
             raise ValueError(f"emulated GEMM numerics run one tensor-parallel rank without sequence parallelism ({name})")
+        assert "_forward_impl" not in vars(module), f"{name} is switched already"
+    for _, module in switched:
         module._forward_impl = make_forward_impl()
-        switched.append(module)
     try:
         yield len(switched)
     finally:
-        for module in switched:
+        for _, module in switched:
             del module._forward_impl  # back to the class's implementation
 
 
