@@ -58,8 +58,9 @@ def parse_args(argv=None):
 
 
 def bf16_linears(model):
-    """The same linear layers as ``emulated_fp8_linears``, their inputs, weights and output
-    gradients rounded to bf16: the precision the FP8 test compares against, for scale."""
+    """The same linear layers as ``emulated_fp8_linears``, their inputs and weights rounded to
+    bf16 and so the gradients flowing back to them: the precision the FP8 test compares
+    against, for scale."""
     class Round(torch.autograd.Function):
         @staticmethod
         def forward(ctx, t):
