@@ -82,14 +82,16 @@ def test_calibrating_replay_accumulates_what_a_plain_replay_does(single_process,
         assert torch.equal(grads[name], want), name
 
 
-def test_failed_calibration_forward_leaves_the_model_uncalibrated(monkeypatch):
+@pytest.mark.parametrize("failing", ["forward", "update"])
+def test_failed_calibration_leaves_the_model_uncalibrated(monkeypatch, failing):
     layer = _linear("hybrid", "delayed")
-    monkeypatch.setattr(fp8, "update_delayed_forward_scales", lambda: pytest.fail("no forward, no update"))
+    layer.set_is_first_microbatch = lambda: None  # a Megatron module's method
 
-    def forward_once():
+    def fail():
         raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(fp8, "update_delayed_forward_scales", fail if failing == "update" else lambda: None)
     with pytest.raises(RuntimeError, match="out of memory"):
-        fp8.prepare_forward(layer, forward_once)
+        fp8.prepare_forward(layer, fail if failing == "forward" else lambda: None)
     assert fp8.forward_scales_uncalibrated(layer)  # the next pass calibrates again
 
 
@@ -110,9 +112,9 @@ def test_each_pass_recasts_weights_and_delayed_scaling_calibrates_its_first_forw
                                                                                    path, delayed):
     """Every capture (and full-graph pass) first makes the TE layers cast their weights to FP8
     again (an optimizer step may have changed them). Under delayed scaling a model's first pass
-    runs its first chunk once beforehand, its result dropped, and has TE update the forward
-    scales from it (no-grad passes do not), so the cast uses calibrated scales; the captured
-    state is what a capture without it gives."""
+    runs its first chunk beforehand, its result dropped, and has TE update the forward scales
+    from it (no-grad passes do not), twice (the second pass on weights cast with real scales),
+    so the cast uses calibrated scales; the captured state is what a capture without it gives."""
     hf = resolve_hf_config("qwen3.5-debug")
     weights = build_hf_model(hf, seed=0).double()
     gen = torch.Generator().manual_seed(0)
@@ -138,8 +140,10 @@ def test_each_pass_recasts_weights_and_delayed_scaling_calibrates_its_first_forw
     plain, plain_events = run(False)
     results, events = run(delayed)
     passes = ["forward"] * 3 if path == "capture" else ["forward"]  # 40 tokens in chunks of 16
-    # one chunk (a capture of its own), or the prompt + one response without gradients
-    calibration = ([] if not delayed else ["cast", "forward", "update"] if path == "capture" else ["forward", "update"])
+    # twice: one chunk (a capture of its own, which casts too), or the prompt + one response
+    # without gradients, each followed by TE's scale update
+    calibration = [] if not delayed else 2 * (["cast", "cast", "forward", "update"] if path == "capture"
+                                              else ["cast", "forward", "update"])
     assert plain_events == (["cast"] + passes) * 2
     assert events == calibration + (["cast"] + passes) * 2
     for got, want in zip(results, plain):

@@ -38,11 +38,14 @@ recipe keeps between calls:
   puts weights of scale 0.02 into E4M3's subnormal range (steps of 0.002, smaller values flushed
   to zero), and since the capture runs without gradients the scales would stay at 1.0 for the
   whole capture, and the weight copy cast then for the whole first step. So a delayed-scaling
-  model's first capture (or full-graph pass) runs its first chunk once beforehand, result
-  dropped, then has TE update the forward scales from the amaxes it recorded
+  model's first capture (or full-graph pass) runs its first chunk beforehand, result dropped,
+  then has TE update the forward scales from the amaxes it recorded
   (``update_delayed_forward_scales``, what an autocast exit with gradients does; every rank of
-  the amax-reduction group calibrates at its first capture); the weights are then cast with
-  them. Once per process, one chunk (in a full-graph pass: the prompt and one response).
+  the amax-reduction group calibrates at its first capture), and does so twice: the second
+  pass runs on weights cast with real scales, so its activation amaxes are real too. The
+  weights are then cast with them. Once per process, two chunks (in a full-graph pass: the
+  prompt and one response). The capture's later chunks cannot move these scales; a value
+  beyond them saturates at the format's maximum, as with any delayed scaling.
 - The prompt state itself (K/V pages, MLA latents, indexer keys, Gated DeltaNet states) stays in
   the model's dtype: FP8 applies to the GEMMs, not to what is kept.
 """
@@ -124,11 +127,19 @@ def prepare_forward(model, forward_once: Callable[[], object]) -> None:
     if forward_scales_uncalibrated(model):
         setattr(model, _FORWARD_CALIBRATED, True)  # before: ``forward_once`` may be a capture itself
         try:
-            forward_once()
+            # twice: the first pass runs on weights cast with scale 1.0, so the activations it
+            # records past the first layer are off; the second runs on properly cast weights
+            for _ in range(2):
+                _recast_weights(model)
+                forward_once()
+                update_delayed_forward_scales()
         except BaseException:
             delattr(model, _FORWARD_CALIBRATED)
             raise
-        update_delayed_forward_scales()
+    _recast_weights(model)
+
+
+def _recast_weights(model) -> None:
     for chunk in model_chunks(model):
         chunk.set_is_first_microbatch()
 

@@ -140,6 +140,25 @@ def test_fp8_capture_sees_weights_changed_since_the_last_capture(single_process,
     assert error < 0.25 and stale > 0.5, (error, stale)
 
 
+def test_delayed_scaling_first_capture_sets_forward_scales(single_process):
+    """A fresh delayed-scaling model's first capture leaves every TE layer's forward scales set
+    from real amaxes, not TE's initial 1.0: TE moves them only when an autocast exits with
+    gradients enabled, which the no-grad capture never does (``fp8.prepare_forward``)."""
+    from megatron_longstraw.longstraw.capture import capture_prompt
+    from megatron_longstraw.models.builder import build_model
+    from megatron_longstraw.models.presets import resolve_hf_config
+
+    hf = resolve_hf_config("qwen3.5-debug")
+    model = build_model(hf, ModelOptions(params_dtype=BF16, transformer_impl="transformer_engine",
+                                         fp8_format="hybrid", fp8_recipe="delayed"))
+    prompt = torch.randint(0, hf["vocab_size"], (1, 512), device="cuda")
+    with torch.no_grad():
+        capture_prompt(model, prompt, 128)
+    scales = {n: m.fp8_meta["scaling_fwd"].scale for n, m in model.named_modules()
+              if "scaling_fwd" in getattr(m, "fp8_meta", {})}
+    assert scales and all(bool((s != 1.0).any()) for s in scales.values()), {n: s.tolist() for n, s in scales.items()}
+
+
 def _replay_gradients(model, prompt, responses):
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.replay import replay_responses
