@@ -23,12 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
-from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
-from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
 from megatron_longstraw.models.builder import build_model  # noqa: E402
 from megatron_longstraw.models.options import ModelOptions  # noqa: E402
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers  # noqa: E402
 from megatron_longstraw.testing.fp8_emulation import emulated_fp8_linears, switched_linears  # noqa: E402
+from megatron_longstraw.testing.parity import replay_gradients  # noqa: E402
 from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/)
 
 VARIANTS = {  # name: (recipe, passes); "bf16" rounds the same GEMM operands to bf16 instead
@@ -75,16 +74,6 @@ def bf16_linears(model):
         return out if bias is None else out + bias
 
     return switched_linears(model, lambda: forward_impl)
-
-
-def replay_gradients(model, prompt, responses, chunk_size):
-    """Loss and ``{name: flat gradient}`` of one capture + replay of ``responses``."""
-    model.zero_grad(set_to_none=True)
-    tokens = sum(len(r) for r in responses)
-    with torch.no_grad():
-        state = capture_prompt(model, prompt, chunk_size)
-    loss = sum(replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / tokens, 1))
-    return loss, {n: p.grad.detach().flatten().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def compare(reference, measured):

@@ -187,3 +187,18 @@ def tp_worker(cases: list, tp: int) -> list:
         assert set(grads) == set(reference_grads), "TP changed which parameters get gradients"
         out.append((logits, max(tp_grad_errors(model, grads, reference_grads).values())))
     return out
+
+
+def replay_gradients(model, prompt_1S: torch.Tensor, responses, chunk_size: int):
+    """One LongStraw capture of ``prompt_1S`` and replay of ``responses`` (one per micro-batch)
+    with the loss ``-sum(logprobs) / response tokens``, from zeroed gradients: the loss and
+    ``{name: flat gradient}``."""
+    from megatron_longstraw.longstraw.capture import capture_prompt
+    from megatron_longstraw.longstraw.replay import replay_responses
+
+    model.zero_grad(set_to_none=True)
+    tokens = sum(len(r) for r in responses)
+    with torch.no_grad():
+        state = capture_prompt(model, prompt_1S, chunk_size)
+    loss = sum(replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / tokens, 1))
+    return loss, {n: p.grad.detach().flatten().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -160,16 +160,11 @@ def test_delayed_scaling_first_capture_sets_forward_scales(single_process):
 
 
 def _replay_gradients(model, prompt, responses):
-    from megatron_longstraw.longstraw.capture import capture_prompt
-    from megatron_longstraw.longstraw.replay import replay_responses
+    """``parity.replay_gradients`` in 8K chunks, its gradients as one vector in name order."""
+    from megatron_longstraw.testing.parity import replay_gradients
 
-    model.zero_grad(set_to_none=True)
-    tokens = sum(len(r) for r in responses)
-    with torch.no_grad():
-        state = capture_prompt(model, prompt, 8192)
-    loss = sum(replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / tokens, 1))
-    names = sorted(n for n, p in model.named_parameters() if p.grad is not None)
-    return loss, torch.cat([model.get_parameter(n).grad.float().flatten() for n in names])
+    loss, grads = replay_gradients(model, prompt, responses, 8192)
+    return loss, torch.cat([grads[n].float() for n in sorted(grads)])
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
