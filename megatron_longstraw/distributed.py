@@ -7,6 +7,7 @@ expert and pipeline sizes; data parallelism takes what remains of the world size
 
 import datetime
 import os
+import random
 import socket
 from dataclasses import dataclass
 
@@ -60,10 +61,39 @@ class ParallelSizes:
 _OWN_ENV: dict[str, str] = {}  # rendezvous variables set by init_distributed, removed on destroy
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out for sockets bound to port 0 (Linux's setting, else IANA's)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free now and outside the kernel's ephemeral range, so no socket a
+    run opens later (gloo's connections, store clients) can take one before its store listens on
+    it (a port bound to 0 and released can). Each is tried with a bind, held until all are chosen."""
+    low, high = _ephemeral_port_range()
+    candidates = list(range(10000, low)) if low > 10000 + count else list(range(high + 1, 65536))
+    random.shuffle(candidates)
+    socks: list[socket.socket] = []
+    try:
+        for port in candidates:
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            socks.append(sock)
+            if len(socks) == count:
+                return [s.getsockname()[1] for s in socks]
+        raise RuntimeError(f"fewer than {count} free ports outside the ephemeral range {low}-{high}")
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def device() -> torch.device:
@@ -82,7 +112,7 @@ def init_distributed(sizes: ParallelSizes = ParallelSizes(), seed: int = 1234,
     apply_patches()
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a plain single process: rendezvous with itself
-            own = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": str(_free_port())}
+            own = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": str(free_ports(1)[0])}
             if "MASTER_ADDR" not in os.environ:
                 own["MASTER_ADDR"] = "127.0.0.1"
             own = {k: v for k, v in own.items() if k not in os.environ}

@@ -2,28 +2,15 @@
 
 import io
 import os
-import socket
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
+from megatron_longstraw.distributed import free_ports
+
 
 RUN_PORTS = 12  # store ports per spawn: one per process-group setup a rank's body may make
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free at this moment (each held until all are chosen)."""
-    socks = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            socks.append(sock)
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def use_port(index: int) -> None:
@@ -73,7 +60,7 @@ def run_multiprocess(fn, world_size: int, *args, timeout: float = 600.0) -> list
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    ports = _free_ports(RUN_PORTS)
+    ports = free_ports(RUN_PORTS)
     procs = [ctx.Process(target=_worker, args=(r, world_size, ports, fn, args, queue))
              for r in range(world_size)]
     for proc in procs:
