@@ -95,6 +95,22 @@ def test_failed_calibration_leaves_the_model_uncalibrated(monkeypatch, failing):
     assert fp8.forward_scales_uncalibrated(layer)  # the next pass calibrates again
 
 
+def test_failed_gradient_calibration_leaves_the_model_uncalibrated_and_no_gradients():
+    """A calibration backward that fails halfway (out of memory): the next replay calibrates
+    again, and what the failed one accumulated is gone."""
+    layer = _linear("hybrid", "delayed")
+    layer.weight.main_grad = torch.zeros_like(layer.weight)
+
+    def backward_then_fail():
+        layer(torch.ones(2, 4)).sum().backward()
+        layer.weight.main_grad += 1.0
+        raise RuntimeError("CUDA out of memory")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        fp8.calibrate_gradient_scales(layer, backward_then_fail)
+    assert fp8.gradient_scales_uncalibrated(layer)
+    assert layer.weight.grad is None and layer.bias.grad is None and not layer.weight.main_grad.any()
+
+
 def _record_forwards(model, monkeypatch):
     """Events of ``model``: "cast" when its TE layers are told to cast their weights to FP8 again
     (``set_is_first_microbatch``), "update" when TE is told to set the delayed forward scales from

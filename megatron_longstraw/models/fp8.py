@@ -100,17 +100,23 @@ def gradient_scales_uncalibrated(model) -> bool:
 def calibrate_gradient_scales(model, backward_once) -> None:
     """Run ``backward_once()`` (one micro-batch's forward and backward) so that the gradient amax
     histories hold real values, then drop the gradients it left (``.grad`` and Megatron's
-    ``main_grad``). Runs before any gradient of the step has accumulated."""
+    ``main_grad``). Runs before any gradient of the step has accumulated. If ``backward_once``
+    fails (out of memory, say), the model stays uncalibrated and its gradients are dropped too."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         for grad in (p.grad, getattr(p, "main_grad", None)):
             assert grad is None or not grad.any(), "FP8 calibration must run before gradients accumulate"
     setattr(model, _CALIBRATED, True)
-    backward_once()
-    for p in params:
-        p.grad = None
-        if getattr(p, "main_grad", None) is not None:
-            p.main_grad.zero_()
+    try:
+        backward_once()
+    except BaseException:
+        delattr(model, _CALIBRATED)
+        raise
+    finally:
+        for p in params:
+            p.grad = None
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.zero_()
 
 
 def forward_scales_uncalibrated(model) -> bool:
