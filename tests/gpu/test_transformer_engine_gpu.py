@@ -69,23 +69,19 @@ def test_fp8_replay_tracks_bf16_on_qwen_0_8b_at_32k(single_process, record_prope
     """32K-token prompt, two 1,024-token responses: FP8 capture + replay against bf16 capture +
     replay of the same weights: loss within 1%, gradient cosine >= 0.99 — from the model's very
     first replay (delayed scaling calibrates its gradient scales there, ``models/fp8.py``); then
-    20 more FP8 replays (delayed-scaling histories advancing) stay finite in loss and gradients."""
-    from megatron_longstraw.longstraw.capture import capture_prompt
-    from megatron_longstraw.longstraw.replay import replay_responses
+    20 more FP8 captures and replays (delayed-scaling histories advancing) stay finite in loss
+    and gradients. The cosine check is the issue's; on random weights FP8 numerics alone reach
+    about 0.42 (``tools/fp8_sensitivity.py``), so it fails here: the test below judges TE by the
+    emulated FP8's cosine instead."""
+    from megatron_longstraw.testing.parity import replay_gradients
 
     hf, bf16, fp8 = _qwen_08b_pair(recipe)
     gen = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(0, hf["vocab_size"], (1, 32768), device="cuda", generator=gen)
     responses = [torch.randint(0, hf["vocab_size"], (1024,), device="cuda", generator=gen) for _ in range(2)]
-    loss_fn = lambda lp, mask, idx: -(lp * mask).sum() / 2048  # noqa: E731
-    results = {}
-    for name, model in (("bf16", bf16), ("fp8", fp8)):
-        with torch.no_grad():
-            state = capture_prompt(model, prompt, 8192)
-        loss = sum(replay_responses(model, state, responses, loss_fn, micro_batch_size=1))
-        grads = {n: p.grad.float().flatten() for n, p in model.named_parameters() if p.grad is not None}
-        results[name] = (loss, grads, state)
-    (loss16, grads16, _), (loss8, grads8, state8) = results["bf16"], results["fp8"]
+    loss16, grads16 = replay_gradients(bf16, prompt, responses, 8192)
+    loss8, grads8 = replay_gradients(fp8, prompt, responses, 8192)
+    grads16, grads8 = ({n: g.float() for n, g in grads.items()} for grads in (grads16, grads8))
     assert grads8.keys() == grads16.keys(), sorted(grads8.keys() ^ grads16.keys())  # aligned by name
     names = sorted(grads16)
     loss_error = abs(loss8 - loss16) / abs(loss16)
@@ -99,10 +95,8 @@ def test_fp8_replay_tracks_bf16_on_qwen_0_8b_at_32k(single_process, record_prope
     record_property("worst_params_cosine_share", "; ".join(f"{n} {c:.3f} {w:.1%}" for c, w, n in per_param[:4]))
     finite = []
     for _ in range(20):
-        fp8.zero_grad(set_to_none=True)
-        loss = sum(replay_responses(fp8, state8, responses, loss_fn, micro_batch_size=1))
-        finite.append(bool(torch.isfinite(torch.tensor(loss))) and
-                      all(bool(torch.isfinite(p.grad).all()) for p in fp8.parameters() if p.grad is not None))
+        loss, grads = replay_gradients(fp8, prompt, responses, 8192)
+        finite.append(bool(torch.isfinite(torch.tensor(loss))) and all(bool(g.isfinite().all()) for g in grads.values()))
     record_property("loss_rel_err_grad_cosine", f"{loss_error:.2e},{cosine:.4f}")
     record_property("finite_replays", f"{sum(finite)}/{len(finite)}")
     assert all(finite), finite  # first: the cosine check cannot pass on random weights (tools/fp8_sensitivity.py)
@@ -156,7 +150,9 @@ def test_delayed_scaling_first_capture_sets_forward_scales(single_process):
         capture_prompt(model, prompt, 128)
     scales = {n: m.fp8_meta["scaling_fwd"].scale for n, m in model.named_modules()
               if "scaling_fwd" in getattr(m, "fp8_meta", {})}
-    assert scales and all(bool((s != 1.0).any()) for s in scales.values()), {n: s.tolist() for n, s in scales.items()}
+    # per GEMM TE keeps [input, weight, output] scales; the output one has no amax and stays 1.0
+    assert scales and all(bool((s.view(-1, 3)[:, :2] != 1.0).all()) for s in scales.values()), \
+        {n: s.tolist() for n, s in scales.items()}
 
 
 def _replay_gradients(model, prompt, responses):
