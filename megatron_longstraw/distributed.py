@@ -77,7 +77,7 @@ def free_ports(count: int) -> list[int]:
     it (a port bound to 0 and released can). Each is tried with a bind, held until all are chosen."""
     low, high = _ephemeral_port_range()
     candidates = list(range(10000, low)) if low > 10000 + count else list(range(high + 1, 65536))
-    random.shuffle(candidates)
+    random.SystemRandom().shuffle(candidates)  # unseeded: concurrent runs pick apart
     socks: list[socket.socket] = []
     try:
         for port in candidates:
