@@ -125,7 +125,8 @@ def test_sensitivity_tool_end_to_end(tmp_path):
 
 
 def test_delayed_scales_move_only_with_gradients_enabled(single_process):
-    """Like TE: a no-grad call (a capture chunk) casts with the last scale but does not move it."""
+    """Like TE: a no-grad call (a capture chunk) casts with the last scale but does not move it;
+    its amax still counts in the running maximum the next call with gradients moves the scale to."""
     fc1 = _tiny_model().decoder.layers[0].mlp.linear_fc1
     w = fc1.weight.detach()
     x = torch.randn(5, 2, w.shape[1])
@@ -133,12 +134,14 @@ def test_delayed_scales_move_only_with_gradients_enabled(single_process):
     with emulated_fp8_linears(fc1, "delayed"):
         fc1(x)  # with gradients: the input scale now comes from x
         with torch.no_grad():
-            y_big, _ = fc1(4 * x)  # cast with x's amax (saturates) and leaves it
+            y_big, _ = fc1(6 * x)  # cast with x's amax (saturates) and leaves it
             y_again, _ = fc1(4 * x)
-        y_last, _ = fc1(4 * x)  # still x's amax: the no-grad calls did not move it
-        y_moved, _ = fc1(4 * x)  # now 4x's own amax
-    saturated = quantize_dequantize(4 * x, E4M3, x.abs().max()) @ w8.t()
-    torch.testing.assert_close(y_big, saturated, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(y_again, saturated, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(y_last, saturated, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(y_moved, quantize_dequantize(4 * x, E4M3) @ w8.t(), rtol=1e-6, atol=1e-6)
+        y_last, _ = fc1(4 * x)  # still x's amax: the no-grad calls did not move it; this call does
+        y_moved, _ = fc1(4 * x)  # the largest amax since x: 6x's, from a no-grad call
+        y_fresh, _ = fc1(4 * x)  # the maximum started afresh after the move: 4x's own amax
+    cast = lambda t, amax: quantize_dequantize(t, E4M3, amax) @ w8.t()  # noqa: E731
+    torch.testing.assert_close(y_big, cast(6 * x, x.abs().max()), rtol=1e-6, atol=1e-6)
+    for y in (y_again, y_last):
+        torch.testing.assert_close(y, cast(4 * x, x.abs().max()), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y_moved, cast(4 * x, 6 * x.abs().max()), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y_fresh, cast(4 * x, None), rtol=1e-6, atol=1e-6)

@@ -8,11 +8,14 @@ are cast to E4M3, the output gradient to E5M2, each with one scale per tensor, a
 accumulate exactly (in the model's dtype). ``recipe``:
 
 - ``tensorwise`` (TE's ``Float8CurrentScaling``): the scale comes from the tensor being cast;
-- ``delayed`` (TE's ``DelayedScaling`` with Megatron's default history of one): the scale comes
-  from the amax the same tensor role had at the module's last call with gradients enabled (TE
-  moves forward scales only then; gradient scales at every backward), and the cast saturates.
-  A role's first cast uses its own amax, as LongStraw's calibrations make TE do (the first
-  capture's dropped chunk and the first replay's dropped backward, ``models/fp8.py``).
+- ``delayed`` (TE's ``DelayedScaling`` with Megatron's default history of one): every cast
+  records its amax into a running maximum, casts saturate, and the scale moves to that maximum
+  (which then starts afresh) only after a call with gradients enabled (TE updates forward scales
+  when an autocast exits with gradients on; gradient scales after every backward). So a replay
+  forward casts with the scale its previous replay set, and the next one with the largest amax
+  of every call since, the no-grad capture chunks between included. A role's first cast uses
+  its own amax, as LongStraw's calibrations make TE do (the first capture's dropped chunk and
+  the first replay's dropped backward, ``models/fp8.py``).
 
 ``passes="forward"`` or ``"backward"`` casts in that pass only (the other computes from the
 uncast tensors): which of the two moves a model's gradients. Runs on CPU and GPU, on one
@@ -44,7 +47,9 @@ class _Scales:
     ``t`` in the passes it is asked for."""
 
     def __init__(self, recipe: str, passes: str):
-        self.recipe, self.passes, self.previous = recipe, passes, {}
+        self.recipe, self.passes = recipe, passes
+        self.scale_amax: dict[str, torch.Tensor] = {}  # delayed: what each role casts with now
+        self.running_amax: dict[str, torch.Tensor] = {}  # delayed: the max since the last move
 
     def cast(self, role: str, t: torch.Tensor, dtype: torch.dtype, backward: bool, moves: bool) -> torch.Tensor:
         """``t`` cast for ``role``; under delayed scaling ``moves`` says whether this cast's amax
@@ -57,9 +62,12 @@ class _Scales:
         current = t.detach().abs().amax()
         if self.recipe == "tensorwise":
             return current
-        amax = self.previous.setdefault(role, current)
+        amax = self.scale_amax.setdefault(role, current)
+        running = torch.maximum(self.running_amax.pop(role, current), current)
         if moves:
-            self.previous[role] = current
+            self.scale_amax[role] = running
+        else:
+            self.running_amax[role] = running
         return amax
 
 
