@@ -52,8 +52,8 @@ class _Scales:
         self.running_amax: dict[str, torch.Tensor] = {}  # delayed: the max since the last move
 
     def cast(self, role: str, t: torch.Tensor, dtype: torch.dtype, backward: bool, moves: bool) -> torch.Tensor:
-        """``t`` cast for ``role``; under delayed scaling ``moves`` says whether this cast's amax
-        becomes the role's next scale."""
+        """``t`` cast for ``role``; under delayed scaling ``moves`` says whether the role's scale
+        moves to the largest amax recorded since its last move, this cast's included."""
         if self.passes != "both" and (self.passes == "backward") != backward:
             return t
         return quantize_dequantize(t, dtype, self.amax(role, t, moves))
