@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_longstraw.distributed import destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.grpo.registry import get_policy_loss  # noqa: E402
 from megatron_longstraw.training.arguments import parse_args  # noqa: E402
 from megatron_longstraw.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_longstraw.training.grpo_step import PhaseClock, train_group  # noqa: E402
@@ -46,6 +47,7 @@ def train(args):
     generator = torch.Generator(device=device())  # sampling; reseeded per step so resumes are exact
     dp_rank = parallel_state.get_data_parallel_rank()
     groups_per_rank = args.global_batch_size // args.data_parallel_size
+    policy_loss = get_policy_loss(args.loss_type)
     metrics = {}
     try:
         while iteration < args.train_iters:
@@ -57,13 +59,11 @@ def train(args):
             groups = [train_group(model, source.next_group(), args, reward_fn=reward_fn, eos_id=tokenizer.eos_id,
                                   generator=generator, groups_per_rank=groups_per_rank, reference=reference,
                                   clock=clock) for _ in range(groups_per_rank)]
-            metrics = reduce_step_metrics(groups)
-            if args.loss_aggregation == "token":  # exact token mean over the global batch
+            metrics = reduce_step_metrics(groups, policy_loss.summed_metrics)
+            gradient_scale = policy_loss.finish_step(metrics, args)  # the loss's end-of-step normalizer
+            if gradient_scale != 1.0:
                 for chunk in ddp:
-                    chunk.scale_gradients(args.data_parallel_size / metrics["tokens/response"])
-                metrics["loss/total"] = metrics.pop("loss/sum") / metrics["tokens/response"]
-            else:
-                metrics["loss/total"] = metrics.pop("loss/sum") / args.data_parallel_size
+                    chunk.scale_gradients(gradient_scale)
             lr = scheduler.get_lr(optimizer.param_groups[0])
             with clock("optimizer"):
                 finish_gradients(ddp)

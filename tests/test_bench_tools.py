@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter
-from megatron_longstraw.longstraw.cost_model import memory_floor_bytes, qwen_prompt_flops
+from megatron_longstraw.longstraw.cost_model import memory_floor_bytes
+from megatron_longstraw.models.qwen3_5 import capture_flops as qwen_prompt_flops
 from megatron_longstraw.models.presets import resolve_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,8 @@ def test_glm_prompt_flops_terms():
     """Indexer scores grow with the square of the prompt; sparse MLA linearly once the prompt
     passes index_topk; routed experts count as num_experts_per_tok experts per token."""
     from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
-    from megatron_longstraw.longstraw.cost_model import active_linear_weight_elements, glm_prompt_flops
+    from megatron_longstraw.models.flops import active_linear_weight_elements
+    from megatron_longstraw.models.glm5 import capture_flops as glm_prompt_flops
     from megatron_longstraw.testing.parity import seeded_model
 
     hf = resolve_hf_config("glm-5-debug")

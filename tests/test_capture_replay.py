@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_responses
 from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
@@ -12,11 +13,14 @@ from megatron_longstraw.testing.hf_reference import build_hf_model
 from megatron_longstraw.testing.parity import forward_logits, max_rel_error, megatron_from_hf
 
 PROMPT, RESPONSE = 45, 13
+# the GPU path's kernel interface in plain torch, the prompt in blocks of 5 keys
+KERNELS = {"math": KernelOptions(), "emulated": KernelOptions(attention_backend="emulated", prefix_block=5)}
 
 
-def _model(preset, dtype=torch.float32, seed=0):
+def _model(preset, dtype=torch.float32, seed=0, kernels=KernelOptions()):
     hf = resolve_hf_config(preset)
-    return hf, megatron_from_hf(hf, build_hf_model(hf, seed=seed).to(dtype), ModelOptions(params_dtype=dtype))
+    return hf, megatron_from_hf(hf, build_hf_model(hf, seed=seed).to(dtype),
+                                ModelOptions(params_dtype=dtype, kernel_options=kernels))
 
 
 def _tokens(hf, n, seed):
@@ -52,13 +56,10 @@ def _grads(model):
 
 @pytest.mark.parametrize("preset,attention", [("qwen3.5-debug", "math"), ("glm-5-debug", "math"),
                                               ("qwen3.5-debug", "emulated")])
-def test_replay_gradients_equal_stop_gradient_full_graph(single_process, monkeypatch, preset, attention):
+def test_replay_gradients_equal_stop_gradient_full_graph(single_process, preset, attention):
     """fp64: some random-model gradients are too small for fp32 to resolve 1e-5 (see parity.py).
     ``emulated``: the GPU path's fold/block/merge orchestration (kernels emulated), 5-key blocks."""
-    if attention == "emulated":
-        monkeypatch.setenv("LONGSTRAW_ATTENTION_BACKEND", "emulated")
-        monkeypatch.setenv("LONGSTRAW_PREFIX_BLOCK", "5")
-    hf, model = _model(preset, torch.float64)
+    hf, model = _model(preset, torch.float64, kernels=KERNELS[attention])
     prompt = _tokens(hf, PROMPT, 3)
     responses = [_tokens(hf, n, 10 + n)[0] for n in (RESPONSE, 7, 11)]
     loss_fn = _nll(sum(r.numel() for r in responses))
@@ -77,12 +78,9 @@ def test_replay_gradients_equal_stop_gradient_full_graph(single_process, monkeyp
 
 @pytest.mark.parametrize("preset,attention", [("qwen3.5-debug", "math"), ("glm-5-debug", "math"),
                                               ("qwen3.5-debug", "emulated")])
-def test_one_by_one_equals_one_micro_batch(single_process, monkeypatch, preset, attention):
+def test_one_by_one_equals_one_micro_batch(single_process, preset, attention):
     """``emulated``: the GPU path, whose prefix part folds the micro-batch's samples together."""
-    if attention == "emulated":
-        monkeypatch.setenv("LONGSTRAW_ATTENTION_BACKEND", "emulated")
-        monkeypatch.setenv("LONGSTRAW_PREFIX_BLOCK", "5")
-    hf, model = _model(preset, torch.float64)
+    hf, model = _model(preset, torch.float64, kernels=KERNELS[attention])
     prompt = _tokens(hf, PROMPT, 4)
     responses = [_tokens(hf, n, 20 + n)[0] for n in (9, 13, 5, 13)]
     loss_fn = _nll(sum(r.numel() for r in responses))

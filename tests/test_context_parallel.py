@@ -6,6 +6,7 @@ prompt, uneven prompts and chunks included; bad input. One spawn runs every case
 import pytest
 import torch
 
+from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
 from megatron_longstraw.testing.parity import assert_grads_match, random_tokens, seeded_model, value_error_text
@@ -25,13 +26,13 @@ def _nll(total_tokens):
     return loss_fn
 
 
-def _run_cases(hf):
-    """What both CP sizes compute: per case the replay logits, the last prompt logits and the
-    state's tensors; then fp64 replay gradients."""
+def _run_cases(hf, kernels=KernelOptions()):
+    """What both CP sizes compute (with the attention kernels' ``kernels`` options): per case the
+    replay logits, the last prompt logits and the state's tensors; then fp64 replay gradients."""
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
 
-    model = seeded_model(hf, torch.float32)
+    model = seeded_model(hf, torch.float32, kernel_options=kernels)
     out = {"cases": {}}
     for length, chunk in CASES:
         prompt, response = random_tokens(hf, length, length), random_tokens(hf, 13, 100 + length)
@@ -42,7 +43,7 @@ def _run_cases(hf):
             logits=logits, last_logits=state.last_logits_BV[0], nbytes=state.nbytes(),
             layers={name: {f: t.clone() for f, t in s.tensors().items()} | {"length": getattr(s, "length", None)}
                     for name, s in state.layers.items()})
-    model = seeded_model(hf, torch.float64)
+    model = seeded_model(hf, torch.float64, kernel_options=kernels)
     length, chunk = GRAD_CASE
     prompt = random_tokens(hf, length, 3)
     responses = [random_tokens(hf, n, 10 + n)[0] for n in RESPONSES]
@@ -88,12 +89,9 @@ def _cp_worker(hf):
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.full_graph import full_graph_logits
 
-    import os
-
     torch.set_num_threads(1)  # two ranks on a small CPU
-    os.environ["LONGSTRAW_PREFIX_BLOCK"] = "5"  # the page parts in several blocks (CP=1: one softmax)
     init_distributed(ParallelSizes(context=2), seed=1234)
-    out = _run_cases(hf)
+    out = _run_cases(hf, KernelOptions(prefix_block=5))  # the page parts in several blocks (CP=1: one softmax)
     out["cp_rank"] = parallel_state.get_context_parallel_rank()
     model = seeded_model(hf, torch.float32)
     out["gdn_shards"] = _gdn_shard_errors(model, parallel_state.get_context_parallel_group())
@@ -127,7 +125,7 @@ def test_cp2_replay_logits_and_state_match_cp1(runs, case):
                     err = (got["layers"][name][field] - layer[field]).abs().max().item()
                     assert err <= 1e-5 * max(layer[field].abs().max().item(), 1.0), (rank, name, field, err)
     # full attention: the ranks' pages are the CP=1 pages, split between them, each rank ~1/CP
-    from megatron_longstraw.longstraw.context_parallel import shard_plan
+    from megatron_longstraw.core.collectives import shard_plan
 
     plan = shard_plan(case[0], case[1], 2)
     for name, layer in ref["layers"].items():

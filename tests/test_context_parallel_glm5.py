@@ -4,11 +4,10 @@ per-parameter gradients after replay (fp64), the latents and indexer keys per ra
 rows are CP=1's rows at its positions), uneven shards included; decoding under CP is refused.
 One spawn runs every case."""
 
-import os
-
 import pytest
 import torch
 
+from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
 from megatron_longstraw.testing.parity import assert_grads_match, random_tokens, seeded_model, value_error_text
@@ -44,11 +43,12 @@ class _RecordTopk:
         self.cls.topk_after_prefix = self.original
 
 
-def _run_cases(hf):
+def _run_cases(hf, kernels):
+    """What both CP sizes compute, with the attention kernels' ``kernels`` options."""
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.replay import replay_logits, replay_responses
 
-    model = seeded_model(hf, torch.float32)
+    model = seeded_model(hf, torch.float32, kernel_options=kernels)
     out = {"cases": {}}
     for length, chunk in CASES:
         prompt, response = random_tokens(hf, length, length), random_tokens(hf, 13, 100 + length)
@@ -58,7 +58,7 @@ def _run_cases(hf):
         out["cases"][length, chunk] = dict(
             logits=logits, topk=topk.calls,
             layers={name: {f: t.clone() for f, t in s.tensors().items()} for name, s in state.layers.items()})
-    model = seeded_model(hf, torch.float64)
+    model = seeded_model(hf, torch.float64, kernel_options=kernels)
     length, chunk = GRAD_CASE
     with torch.no_grad():
         state = capture_prompt(model, random_tokens(hf, length, 3), chunk)
@@ -69,17 +69,17 @@ def _run_cases(hf):
     return out
 
 
-def _cp_worker(hf):
+def _cp_worker(hf, kernels):
     from megatron.core import parallel_state
 
     from megatron_longstraw.distributed import ParallelSizes, init_distributed
     from megatron_longstraw.longstraw.capture import capture_prompt
-    from megatron_longstraw.longstraw.context_parallel import check_context_parallel_support
+    from megatron_longstraw.longstraw.capture import check_context_parallel_support
     from megatron_longstraw.rollout.generate import generate_from_state
 
     torch.set_num_threads(1)  # two ranks on a small CPU
     init_distributed(ParallelSizes(context=2), seed=1234)
-    out = _run_cases(hf)
+    out = _run_cases(hf, kernels)
     out["cp_rank"] = parallel_state.get_context_parallel_rank()
     model = seeded_model(hf, torch.float32)
     with torch.no_grad():
@@ -94,7 +94,7 @@ class _NoCPModel(torch.nn.Module):
     """A model with a stateful layer kind that does not declare context-parallel support."""
 
     def __init__(self):
-        from megatron_longstraw.longstraw.binding import StatefulModule
+        from megatron_longstraw.core.binding import StatefulModule
 
         super().__init__()
         self.layer = type("PlainStateLayer", (torch.nn.Module, StatefulModule), {})()
@@ -105,27 +105,13 @@ def runs():
     """CP=1 and CP=2, both with DSA blocks of 5 keys and a few queries per gathered block, so the
     blockwise top-k and the gathered attention cross block and shard boundaries."""
     hf = resolve_hf_config(PRESET)
-    small = {"LONGSTRAW_DSA_KEY_BLOCK": "5", "LONGSTRAW_DSA_SCORE_ELEMENTS": "200",
-             "LONGSTRAW_DSA_GATHER_ELEMENTS": "2000"}
-    from megatron_longstraw.attention import dsa_blockwise
-
-    saved = {k: os.environ.get(k) for k in small}
-    constants = {name: getattr(dsa_blockwise, name) for name in ("KEY_BLOCK", "SCORE_ELEMENTS", "GATHER_ELEMENTS")}
-    os.environ.update(small)  # the spawned CP ranks read them at import
-    for name in constants:  # this process (the CP=1 run) has imported the module already
-        setattr(dsa_blockwise, name, int(small[f"LONGSTRAW_DSA_{name}"]))
-    try:
-        return on_one_rank(_run_cases, hf), run_multiprocess(_cp_worker, 2, hf)
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-        for name, value in constants.items():
-            setattr(dsa_blockwise, name, value)
+    small = KernelOptions(dsa_key_block=5, dsa_score_elements=200, dsa_gather_elements=2000)
+    return on_one_rank(_run_cases, hf, small), run_multiprocess(_cp_worker, 2, hf, small)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"P{p}-chunk{c}" for p, c in CASES])
 def test_cp2_glm5_topk_logits_and_state_match_cp1(runs, case):
-    from megatron_longstraw.longstraw.context_parallel import shard_plan
+    from megatron_longstraw.core.collectives import shard_plan
 
     reference, ranks = runs
     ref = reference["cases"][case]

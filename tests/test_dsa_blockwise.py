@@ -7,9 +7,9 @@ import torch
 from megatron.core.transformer.experimental_attention_variant.dsa import _run_sparse_attention
 
 from megatron_longstraw import patches
-from megatron_longstraw.attention import dsa_blockwise
 from megatron_longstraw.attention.cp_sparse_attention import up_project
 from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise, sparse_latent_attention
+from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.patches.dsa_causal_topk import dsa, fused_qk_topk_causal
 from megatron_longstraw.testing.parity import max_rel_error
@@ -41,25 +41,23 @@ def _unchunked_topk(q_SBHD, weights_SBH, prefix_P1D, own_SBD, k, use_relu):
 @pytest.mark.parametrize("use_relu,ties", [(True, False), (False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("dtype,topk_keys", [(torch.float32, "packed"), (torch.float32, "float"),
                                               (torch.float64, "packed")])
-def test_blockwise_topk_equals_unchunked(monkeypatch, key_block, score_elements, use_relu, ties, dtype, topk_keys):
+def test_blockwise_topk_equals_unchunked(key_block, score_elements, use_relu, ties, dtype, topk_keys):
     """Key blocks that divide the 40-token prefix (8) and do not (7, 5, 1), query blocks of 5
     rows, ReLU scoring (many exact zeros) and duplicated keys (exact ties): identical indices,
     in the same order; a top-k wider than the visible keys pads with -1 like the reference. fp32
-    scores take the packed-int64 selection (every score packed, or with ``LONGSTRAW_DSA_TOPK=float``
+    scores take the packed-int64 selection (every score packed, or with ``--dsa-topk float``
     the block's fp32 top-k first, packed ranking only for a block whose cut falls in a tie), fp64
     the stable-sort one.
     (Gaussian scores from GEMMs of other shapes may differ in the last bit; the tie cases use
     integer inputs, whose scores are exact, so a tie is a tie in both.)"""
     patches.apply_patches()
-    monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", key_block)
-    monkeypatch.setattr(dsa_blockwise, "SCORE_ELEMENTS", score_elements)
-    monkeypatch.setattr(dsa_blockwise, "TOPK_KEYS", topk_keys)
+    options = KernelOptions(dsa_key_block=key_block, dsa_score_elements=score_elements, dsa_topk=topk_keys)
     decided = False
     for prefix, seq, batch, k, seed in ((40, 13, 2, 6, 0), (40, 13, 1, 60, 1), (0, 9, 2, 4, 2), (33, 1, 3, 8, 3)):
         inputs = [t.to(dtype) for t in _indexer_inputs(prefix, seq, batch, seed, ties)]
         want = _unchunked_topk(*inputs, k, use_relu)
         q, w, prefix_P1D, own = inputs
-        got = index_topk_blockwise(q, w, [(prefix_P1D, 0), (own, prefix)], prefix, k, use_relu)
+        got = index_topk_blockwise(q, w, [(prefix_P1D, 0), (own, prefix)], prefix, k, use_relu, options)
         assert got.shape == want.shape == (batch, seq, min(k, prefix + seq))
         assert torch.equal(got, want), (prefix, seq, batch, k)
         decided = decided or (ties and _tie_decided(q, w, prefix_P1D, own, want, use_relu))
@@ -103,14 +101,14 @@ def _dense_reference(query, own, prefix_P1K, up_v, topk, rank, config):
 
 
 @pytest.mark.parametrize("gather_elements", [1 << 27, 1, 300])
-def test_sparse_latent_attention_matches_dense_masked(monkeypatch, gather_elements):
+def test_sparse_latent_attention_matches_dense_masked(gather_elements):
     """Output and gradients (queries, own latents) equal Megatron's dense masked absorbed DSA in
     fp64 (and fp32 to 1e-5), in one query block, one query per block, and a few per block;
     top-k smaller than, and wider than, the visible keys."""
     from types import SimpleNamespace
 
     patches.apply_patches()
-    monkeypatch.setattr(dsa_blockwise, "GATHER_ELEMENTS", gather_elements)
+    options = KernelOptions(dsa_gather_elements=gather_elements)
     for dtype, bound in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         for prefix, seq, batch, topk, seed in ((29, 11, 2, 5, 0), (6, 7, 1, 40, 1), (0, 5, 2, 3, 2)):
             query, own, prefix_P1K, up_v, topk_BSK, rank = _attention_inputs(prefix, seq, batch, topk, seed, dtype)
@@ -120,7 +118,7 @@ def test_sparse_latent_attention_matches_dense_masked(monkeypatch, gather_elemen
             results = []
             for run in (lambda: _dense_reference(query, own, prefix_P1K, up_v, topk_BSK, rank, config),
                         lambda: up_project(sparse_latent_attention(query, [(prefix_P1K, 0), (own, prefix)],
-                                                                   topk_BSK, 0.3, rank), up_v)):
+                                                                   topk_BSK, 0.3, rank, options), up_v)):
                 out = run()
                 results.append((out, *torch.autograd.grad(out, (query, own), grad)))
             for name, got, want in zip(("out", "d_query", "d_own"), results[1], results[0]):
@@ -138,13 +136,11 @@ def test_glm_capture_and_replay_run_in_bounded_blocks(single_process, monkeypatc
     from megatron_longstraw.testing.parity import forward_logits, random_tokens, seeded_model
 
     hf = resolve_hf_config("glm-5-debug")
-    model = seeded_model(hf)
+    chunk, block_elements = 16, 3 * hf["index_n_heads"] * 5
+    model = seeded_model(hf, kernel_options=KernelOptions(dsa_key_block=5, dsa_score_elements=block_elements))
     prompt, response = random_tokens(hf, 45, 1), random_tokens(hf, 9, 2)
     with torch.no_grad():
         full = forward_logits(model, torch.cat([prompt, response], 1))[0, 44:-1]
-    chunk, block_elements = 16, 3 * hf["index_n_heads"] * 5
-    monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", 5)
-    monkeypatch.setattr(dsa_blockwise, "SCORE_ELEMENTS", block_elements)
     moe_tokens, score_sizes = [], []
     moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     assert moe_layers

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from megatron_longstraw.attention import dsa_blockwise, sdpa_core
+from megatron_longstraw.attention import sdpa_core
 from megatron_longstraw.attention.decode_attention import decode_attention
+from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
 from megatron_longstraw.longstraw.capture import capture_prompt
-from megatron_longstraw.longstraw.decode_state import new_decode_state
+from megatron_longstraw.core.decode_state import new_decode_state
 from megatron_longstraw.longstraw.decode_step import decode_step
 from megatron_longstraw.longstraw.model_steps import token_logprobs
 from megatron_longstraw.longstraw.replay import replay_logits
@@ -26,9 +27,14 @@ PROMPT, CHUNK, NEW, SAMPLES = 45, 16, 8, 3  # the chunk does not divide the prom
 PRESETS = ["qwen3.5-debug", "glm-5-debug"]
 
 
-def _model(preset, seed=0):
+# the blocked prompt parts exercised: 7 prompt keys per attention / indexer block
+SMALL_BLOCKS = KernelOptions(prefix_block=7, dsa_key_block=7)
+
+
+def _model(preset, seed=0, kernels=KernelOptions()):
     hf = resolve_hf_config(preset)
-    return hf, megatron_from_hf(hf, build_hf_model(hf, seed=seed), ModelOptions(params_dtype=torch.float32))
+    return hf, megatron_from_hf(hf, build_hf_model(hf, seed=seed),
+                                ModelOptions(params_dtype=torch.float32, kernel_options=kernels))
 
 
 def _prompt(hf, n=PROMPT, seed=1):
@@ -41,23 +47,16 @@ def _full_logits(model, prompt_1S, response_R):
     return forward_logits(model, ids)[0, prompt_1S.shape[1] - 1:-1]
 
 
-def _small_blocks(monkeypatch):
-    """Exercise the blocked prompt parts: 7 prompt keys per attention / indexer block."""
-    monkeypatch.setenv("LONGSTRAW_PREFIX_BLOCK", "7")
-    monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", 7)
-
-
 # ----------------------------------------------------------------------------- against the full forward
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_decode_logits_equal_full_forward_and_replay(single_process, monkeypatch, preset, temperature):
+def test_decode_logits_equal_full_forward_and_replay(single_process, preset, temperature):
     """Each sample's logits at every step equal a full forward of prompt + its own tokens so far;
     greedy tokens are the full forward's argmax; sampled samples differ from one another, and
     replaying each against the same prompt state gives the log-probs decoding reported."""
-    _small_blocks(monkeypatch)
-    hf, model = _model(preset)
+    hf, model = _model(preset, kernels=SMALL_BLOCKS)
     prompt = _prompt(hf)
     with torch.no_grad():
         state = capture_prompt(model, prompt, CHUNK)
@@ -107,11 +106,10 @@ def _dsa_topk_holder(model):
     return getattr(model.config, DSAttention._HOLDER_ATTR)
 
 
-def test_glm_decode_top_k_is_the_full_forwards(single_process, monkeypatch):
+def test_glm_decode_top_k_is_the_full_forwards(single_process):
     """Each decoded token's DSA selection over [prompt keys; generated keys] is the full forward's
     (set equality), and later tokens select generated keys as well as prompt keys."""
-    _small_blocks(monkeypatch)
-    hf, model = _model("glm-5-debug")
+    hf, model = _model("glm-5-debug", kernels=SMALL_BLOCKS)
     prompt = _prompt(hf)
     tokens = torch.randint(0, hf["vocab_size"], (1, NEW), generator=torch.Generator().manual_seed(4))
     full_layers = [i + 1 for i, t in enumerate(hf["indexer_types"]) if t == "full"]
@@ -284,16 +282,15 @@ def test_tp2_rollouts_match_tp1(single_process):
 
 
 @pytest.mark.parametrize("block", [1_000_000, 5])
-def test_decode_attention_equals_one_softmax(monkeypatch, block):
+def test_decode_attention_equals_one_softmax(block):
     """[shared batch-1 prompt keys; own keys] with bottom-right causal new queries equals one
     softmax over the prompt expanded per sample plus the own keys."""
-    monkeypatch.setenv("LONGSTRAW_PREFIX_BLOCK", str(block))
     gen = torch.Generator().manual_seed(0)
     prompt, own, seq, batch, heads, groups, dim = 23, 6, 2, 3, 6, 2, 8
     q = torch.randn(seq, batch, heads, dim, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(own, batch, groups, dim, generator=gen, dtype=torch.float64) for _ in range(2))
     pk, pv = (torch.randn(prompt, 1, groups, dim, generator=gen, dtype=torch.float64) for _ in range(2))
-    got = decode_attention(q, k, v, pk, pv)
+    got = decode_attention(q, k, v, pk, pv, options=KernelOptions(prefix_block=block))
     # reference: the earlier own keys join the prefix (all visible), the newest ``seq`` are causal
     ref_pk = torch.cat([pk.expand(-1, batch, -1, -1), k[: own - seq]])
     ref_pv = torch.cat([pv.expand(-1, batch, -1, -1), v[: own - seq]])

@@ -8,6 +8,7 @@ pages. One spawn runs every case."""
 import pytest
 import torch
 
+from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import run_multiprocess
 
@@ -18,25 +19,27 @@ NEW, SAMPLES, SEED = 7, 3, 7
 TEMPERATURES = (0.0, 1.0)
 
 
-def _model(hf):
+def _model(hf, kernels=KernelOptions()):
     from megatron_longstraw.models.options import ModelOptions
     from megatron_longstraw.testing.hf_reference import build_hf_model
     from megatron_longstraw.testing.parity import megatron_from_hf
 
-    return megatron_from_hf(hf, build_hf_model(hf, seed=0), ModelOptions(params_dtype=torch.float32))
+    return megatron_from_hf(hf, build_hf_model(hf, seed=0),
+                            ModelOptions(params_dtype=torch.float32, kernel_options=kernels))
 
 
 def _prompt(hf, n, seed=1):
     return torch.randint(0, hf["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _run(hf, seed):
+def _run(hf, seed, kernels=KernelOptions()):
     """Per case and temperature: responses, step logits, per-sample state bytes; then the prompt
-    state bytes and an EOS run (EOS = the second sample's third sampled token)."""
+    state bytes and an EOS run (EOS = the second sample's third sampled token). ``kernels``: the
+    attention kernels' options."""
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.rollout.generate import generate_from_state
 
-    model = _model(hf)
+    model = _model(hf, kernels)
     out = {}
     with torch.no_grad():
         for length, chunk in CASES:
@@ -59,19 +62,16 @@ def _run(hf, seed):
 
 
 def _cp_worker(hf):
-    import os
-
     from megatron.core import parallel_state
 
     from megatron_longstraw.distributed import ParallelSizes, init_distributed
 
     torch.set_num_threads(1)  # two ranks on a small CPU
-    os.environ["LONGSTRAW_PREFIX_BLOCK"] = "5"  # each rank's pages in several blocks
     init_distributed(ParallelSizes(context=2), seed=1234)
     rank = parallel_state.get_context_parallel_rank()
     # a different generator on CP rank 1: CP rank 0's tokens are broadcast, so rank 1's draws
-    # must not matter
-    return {"cp_rank": rank, "runs": _run(hf, SEED + 1000 * rank)}
+    # must not matter; each rank's pages in several blocks of 5 keys
+    return {"cp_rank": rank, "runs": _run(hf, SEED + 1000 * rank, KernelOptions(prefix_block=5))}
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_cp2_rollouts_equal_cp1(runs, case, temperature):
 def test_cp2_prompt_pages_sharded_and_shared(runs, case):
     """Each rank keeps its shard of the pages (~1/2, at most one extra row per chunk); decoding
     allocates per sample exactly what it does at CP=1 (the pages are shared, never copied)."""
-    from megatron_longstraw.longstraw.context_parallel import shard_plan
+    from megatron_longstraw.core.collectives import shard_plan
 
     reference, _, ranks = runs
     ref = reference[case]

@@ -417,3 +417,36 @@ def test_pipeline_parallel_run_resumes_at_pp1(spawned, run, resumed_run):
         full = resumed["params"][name]
         error = float(abs(value - full).max())
         assert error <= 1e-5 * max(1.0, float(abs(full).max())), (name, error)
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "gspo", "cispo"])
+def test_each_loss_type_trains_a_step(tmp_path, monkeypatch, loss_type):
+    """``--loss-type`` end to end: one step on two external rollout groups, the loss finite, the
+    parameters moved and, at ratio 1, ``loss/total`` the loss's own normalization of ``-A``."""
+    from megatron_longstraw.grpo.advantages import group_advantages
+
+    initial, build_policy = {}, train_grpo.build_policy
+
+    def keep_initial(args):
+        built = build_policy(args)
+        initial.update({n: p.detach().clone() for n, p in built[1].named_parameters()})
+        return built
+
+    monkeypatch.setattr(train_grpo, "build_policy", keep_initial)
+    path = _rollout_file(tmp_path)
+    metrics, params = _train(_args(tmp_path, "--loss-type", loss_type, "--train-iters", "1", "--no-save",
+                                   "--wandb-mode", "disabled", "--max-response-length", "8", "--rollout-source",
+                                   "jsonl", "--rollout-path", str(path), "--reward-fn", "exact_match"))
+    assert abs(metrics["loss/total"]) < float("inf") and metrics["ratio/max"] == 1.0
+    assert metrics["optim/grad_norm"] > 0
+    assert any(not torch.equal(initial[name], value) for name, value in params.items())
+    groups = [json.loads(line) for line in path.read_text().splitlines()]
+    if loss_type == "dr_grpo":  # token sums of -(r - mean r) over 8 (--max-response-length) x 6 responses
+        expected = sum(-a * len(r) for g in groups for a, r in
+                       zip(group_advantages(torch.tensor(g["rewards"]), "none").tolist(), g["responses"])) / 48
+    elif loss_type == "gspo":  # s_i = 1: the mean over the 6 responses of -A (group-std)
+        expected = sum(-a for g in groups for a in group_advantages(torch.tensor(g["rewards"])).tolist()) / 6
+        assert metrics["ratio/sequence_max"] == 1.0
+    else:
+        return
+    assert abs(metrics["loss/total"] - expected) <= 1e-6, (metrics["loss/total"], expected)

@@ -32,6 +32,7 @@ from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
 from megatron_longstraw.models.builder import build_stage_model  # noqa: E402
 from megatron_longstraw.models.options import ModelOptions  # noqa: E402
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers  # noqa: E402
+from megatron_longstraw.training.arguments import add_kernel_flags, kernel_options_from_args  # noqa: E402
 from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/)
 
 PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (../shared/offline-gpu/README.md)
@@ -71,7 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--fp8-recipe", default="delayed", help="delayed, tensorwise, blockwise or mxfp8")
     p.add_argument("--output-dir", default="docs/bench")
     p.add_argument("--tag", default="", help="suffix for the output file names")
+    add_kernel_flags(p.add_argument_group("kernels", "the attention kernels' backend and block sizes"))
     args = p.parse_args(argv)
+    args.kernels = kernel_options_from_args(args)
     for flag in ("prompt_lengths", "group_sizes", "modes"):
         setattr(args, flag, [x for x in getattr(args, flag).split(",") if x])
     args.prompt_lengths = [int(x) for x in args.prompt_lengths]
@@ -420,7 +423,8 @@ def main(argv=None):
         for mode in args.modes:
             model = build_stage_model(hf, ModelOptions(params_dtype=dtype, transformer_impl=args.transformer_impl,
                                                  fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
-                                                 recompute_granularity="full" if mode == "full" else None))
+                                                 recompute_granularity="full" if mode == "full" else None,
+                                                 kernel_options=args.kernels))
             optimizer = _optimizer(model)
             if args.warmup_prompt_length:
                 warm = run_point(model, optimizer, hf, mode, args.warmup_prompt_length, 1, args)

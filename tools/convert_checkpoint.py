@@ -49,6 +49,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                        help="input: HF folder (hf-to-mcore) or Megatron checkpoint (mcore-to-hf)")
     group.add_argument("--save", required=True, help="output folder (must not exist)")
     group.add_argument("--overwrite", action="store_true", help="replace an existing --save")
+    group.add_argument("--model-family", default=None, metavar="MODULE_OR_PATH",
+                       help="a model family defined outside the package (a module path or a .py "
+                            "file exposing the family API), registered before the config is read")
     group = parser.add_argument_group("mcore-to-hf")
     group.add_argument("--model", default=None,
                        help="HF config (preset, folder or config.json) when the checkpoint has "
@@ -89,6 +92,13 @@ def main(argv=None) -> int:
             hf_to_mcore_checkpoint,
             mcore_to_hf_checkpoint,
         )
+        from megatron_longstraw.models.registry import register_family
+
+        if args.model_family:
+            try:
+                register_family(args.model_family)
+            except ValueError as err:
+                raise ValueError(f"--model-family: {err}") from None
 
         if args.direction == "hf-to-mcore":
             summary = hf_to_mcore_checkpoint(args.load, args.save, overwrite=args.overwrite,

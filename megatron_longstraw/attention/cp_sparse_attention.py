@@ -1,6 +1,6 @@
 """GLM-5's DSA top-k and absorbed-MLA sparse attention over pages sharded over the CP group.
 
-Same layout as ``cp_attention`` ("pages stay, queries travel", ``longstraw/context_parallel.py``):
+Same layout as ``cp_attention`` ("pages stay, queries travel", ``core/collectives.py``):
 a CP rank holds the MLA latents and DSA indexer keys of its own shards, and the global
 positions of those rows (``positions_P`` of the GLM-5 states).
 
@@ -13,8 +13,9 @@ positions of those rows (``positions_P`` of the GLM-5 states).
 - ``cp_sparse_latent_attention`` (autograd): each rank attends the queries over its own selected
   keys (the latent ``[c_kv; k_rope]`` is the key, its first ``v_channels`` the value), and the
   partial outputs merge exactly through their log-sum-exps: a max all-reduce and one sum
-  all-reduce (Megatron's ``reduce_from_tensor_model_parallel_region`` with the CP group:
-  identity backward, because what follows is replicated). The queries enter the page part
+  all-reduce (``partials.merge_partials_over_group_with_grad``: Megatron's
+  ``reduce_from_tensor_model_parallel_region`` with the CP group, identity backward, because
+  what follows is replicated). The queries enter the page part
   through ``copy_to_tensor_model_parallel_region`` (all-reduce backward), so every rank ends
   with the CP=1 gradient of the queries. Replicated own keys (replay) are merged in locally.
 
@@ -26,13 +27,12 @@ rank materializes queries x keys.
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from megatron_longstraw.attention.dsa_blockwise import (
     candidate_positions, merge_candidates, sparse_latent_partial, topk_candidates)
+from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.attention.partials import merge_partials, merge_partials_over_group_with_grad
 
 
 def _runs(keys_TBD: torch.Tensor, positions_T: torch.Tensor) -> list:
@@ -47,18 +47,18 @@ def _runs(keys_TBD: torch.Tensor, positions_T: torch.Tensor) -> list:
 
 @torch.no_grad()
 def cp_index_topk(q_SBHD, weights_SBH, local_parts, query_pos_S, index_topk: int, total_keys: int, use_relu: bool,
-                  group, own_keys_TBD=None, own_pos_T=None):
+                  group, own_keys_TBD=None, own_pos_T=None, options: KernelOptions = KernelOptions()):
     """Global top-k positions ``[b, s, min(index_topk, total_keys)]`` (``-1``: none) of the
     queries (consecutive positions ``query_pos_S``) over every CP rank's keys (this rank's
     ``local_parts``: ``[(keys [t, 1 or b, d], ascending global positions [t]), ...]`` in
     ascending order, e.g. the pages and the chunk's own shard) plus the replicated ``own_keys``;
     identical on every rank. Each rank's candidates come from ``dsa_blockwise.topk_candidates``
-    (blocks, fused scores on CUDA), then all ranks' are gathered and merged."""
+    (blocks set by ``options``, fused scores on CUDA), then all ranks' are gathered and merged."""
     width = min(index_topk, total_keys)
     start = int(query_pos_S[0])
     dtype = torch.promote_types(q_SBHD.dtype, torch.float32)
     runs = [run for keys, positions in local_parts for run in _runs(keys, positions)]
-    mine = topk_candidates(q_SBHD, weights_SBH, runs, start, width, use_relu, dtype)
+    mine = topk_candidates(q_SBHD, weights_SBH, runs, start, width, use_relu, dtype, options)
     pieces = mine if isinstance(mine, tuple) else (mine,)
     gathered = []
     for piece in pieces:
@@ -68,40 +68,28 @@ def cp_index_topk(q_SBHD, weights_SBH, local_parts, query_pos_S, index_topk: int
     sets = list(zip(*gathered)) if isinstance(mine, tuple) else gathered[0]
     if own_keys_TBD is not None:
         sets.append(topk_candidates(q_SBHD, weights_SBH, _runs(own_keys_TBD, own_pos_T), start, width, use_relu,
-                                    dtype))
+                                    dtype, options))
     return candidate_positions(merge_candidates(sets, width))
 
 
-def _merge_partials(a, b):
-    """Two ``(out, lse)`` partial attentions over disjoint keys merged exactly."""
-    (out_a, lse_a), (out_b, lse_b) = a, b
-    lse = torch.logaddexp(lse_a, lse_b)
-    return out_a * (lse_a - lse).exp()[..., None] + out_b * (lse_b - lse).exp()[..., None], lse
-
-
 def cp_sparse_latent_attention(query_SBNK, local_parts, topk_BSK, scale: float, v_channels: int, group,
-                               own_keys_TBK=None, own_pos_T=None) -> torch.Tensor:
+                               own_keys_TBK=None, own_pos_T=None,
+                               options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """Absorbed sparse attention ``[s, b, heads, v_channels]`` (before the V up projection) of
     the queries over their selected keys: this rank's ``local_parts`` (``[(latents [t, 1 or b,
     kv_lora + rope], ascending global positions [t]), ...]``, no gradient) merged over the CP
     group, plus the replicated ``own_keys`` (with gradient). Each part gathers only its selected
-    keys (``dsa_blockwise.sparse_latent_partial``)."""
+    keys (``dsa_blockwise.sparse_latent_partial``, in blocks set by ``options``)."""
     q_pages = copy_to_tensor_model_parallel_region(query_SBNK, group=group) if query_SBNK.requires_grad \
         else query_SBNK
     partial = None
     for keys_TBK, positions_T in local_parts:
-        part = sparse_latent_partial(q_pages, keys_TBK, positions_T, topk_BSK, scale, v_channels)
-        partial = part if partial is None else _merge_partials(partial, part)
-    out, lse = partial
-    top = lse.detach().clone()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    weight = (lse - top).exp()
-    packed = reduce_from_tensor_model_parallel_region(torch.cat([out * weight[..., None], weight[..., None]], -1),
-                                                      group=group)
-    out, lse = packed[..., :-1] / packed[..., -1:], top + packed[..., -1].log()
+        part = sparse_latent_partial(q_pages, keys_TBK, positions_T, topk_BSK, scale, v_channels, options)
+        partial = part if partial is None else merge_partials(*partial, *part)
+    out, lse = merge_partials_over_group_with_grad(*partial, group)
     if own_keys_TBK is not None:
-        own = sparse_latent_partial(query_SBNK, own_keys_TBK, own_pos_T, topk_BSK, scale, v_channels)
-        out, lse = _merge_partials((out, lse), own)
+        own = sparse_latent_partial(query_SBNK, own_keys_TBK, own_pos_T, topk_BSK, scale, v_channels, options)
+        out, lse = merge_partials(out, lse, *own)
     return out.to(query_SBNK.dtype)
 
 

@@ -22,30 +22,19 @@ attention scores: at 128K tokens that is tens of GB per layer. Here the same mat
 Keys live in segments ``(pages [t, 1 or b, d], first position)``, each covering consecutive
 positions (the prompt's pages from 0, then the new tokens' own); a query block is consecutive
 positions starting at ``query_start``. A query sees every key at or before its position.
+
+The block sizes and the top-k's key form are ``KernelOptions`` (``dsa_key_block``,
+``dsa_score_elements``, ``dsa_gather_elements``, ``dsa_topk``), passed as ``options``.
 """
 
 import functools
-import os
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.attention.partials import empty_partial, softmax_partial
 from megatron_longstraw.patches.dsa_causal_topk import causal_topk, dsa
-
-# block sizes (the environment overrides them, e.g. for tests that run in spawned processes)
-KEY_BLOCK = int(os.environ.get("LONGSTRAW_DSA_KEY_BLOCK", 16384))  # keys scored at a time
-# fp32 elements of one block's scores ([query block, heads, key block] in torch, [query block,
-# key block] in the fused kernel)
-SCORE_ELEMENTS = int(os.environ.get("LONGSTRAW_DSA_SCORE_ELEMENTS", 1 << 27))
-# elements of one query block's gathered keys plus attention scores
-GATHER_ELEMENTS = int(os.environ.get("LONGSTRAW_DSA_GATHER_ELEMENTS", 1 << 27))
-# how a key block's fp32 scores enter the running top-k: "packed" ranks every score packed with
-# its position in one int64 (64-bit keys); "float" first takes the block's top-k on the fp32
-# scores (32-bit keys, half the radix passes) and packs only those, unless a tie at the k-th
-# score could have been cut arbitrarily (then that block goes the packed way). Same selection.
-TOPK_KEYS = os.environ.get("LONGSTRAW_DSA_TOPK", "packed")
-if TOPK_KEYS not in ("packed", "float"):
-    raise ValueError(f"LONGSTRAW_DSA_TOPK must be 'packed' or 'float', got {TOPK_KEYS!r}")
 
 
 def _block_scores(q_QBHD, weights_QBH, keys_TBD, use_relu):
@@ -99,16 +88,17 @@ def _block_best_packed(scores_BQT: torch.Tensor, positions_T: torch.Tensor, widt
 class _RunningTopk:
     """Top ``width`` candidates of a query block over the key blocks seen so far (in ascending
     position order). fp32 scores travel packed (``_pack``: exact ``torch.topk``, kept unsorted
-    until ``result``); wider scores (fp64 tests) as (values, positions) ranked by a stable sort."""
+    until ``result``); wider scores (fp64 tests) as (values, positions) ranked by a stable sort.
+    ``keys``: ``KernelOptions.dsa_topk``, how an fp32 block enters (``packed`` or ``float``)."""
 
-    def __init__(self, width: int):
-        self.width, self.best = width, None
+    def __init__(self, width: int, keys: str = "packed"):
+        self.width, self.keys, self.best = width, keys, None
 
     def add(self, scores_BQT: torch.Tensor, positions_T: torch.Tensor) -> None:
         """Merge one key block's masked scores ``[b, q, t]`` at ``positions_T``."""
         keep = min(self.width, scores_BQT.shape[-1])
         if scores_BQT.dtype == torch.float32:
-            if TOPK_KEYS == "float" and scores_BQT.shape[-1] > self.width:
+            if self.keys == "float" and scores_BQT.shape[-1] > self.width:
                 packed = _block_best_packed(scores_BQT, positions_T, self.width)
             else:
                 packed = _pack(scores_BQT, positions_T)
@@ -156,21 +146,23 @@ def _pad_candidates(candidates, width: int):
 
 @torch.no_grad()
 def topk_candidates(q_SBHD: torch.Tensor, weights_SBH: torch.Tensor, segments, query_start: int, width: int,
-                    use_relu: bool, score_dtype=torch.float32):
+                    use_relu: bool, score_dtype=torch.float32, options: KernelOptions = KernelOptions()):
     """The best ``width`` keys of every query over the ``segments``, as candidates ``[b, s, width]``
     that ``merge_candidates`` can combine with other candidate sets (other CP ranks' keys):
-    packed int64 for fp32 scores, ``(values, positions)`` for fp64; see ``index_topk_blockwise``."""
+    packed int64 for fp32 scores, ``(values, positions)`` for fp64; see ``index_topk_blockwise``.
+    Keys are scored ``options.dsa_key_block`` at a time, queries as many as
+    ``options.dsa_score_elements`` allow."""
     seq, batch, heads = q_SBHD.shape[:3]
     device = q_SBHD.device
     assert all(a[1] + a[0].shape[0] <= b[1] for a, b in zip(segments, segments[1:])), "segments out of order"
     fused = _fused_scorer(q_SBHD, segments[0][0]) if segments else None
-    key_block = max(1, KEY_BLOCK)
-    query_block = max(1, SCORE_ELEMENTS // (batch * (1 if fused else heads) * key_block))
+    key_block = options.dsa_key_block
+    query_block = max(1, options.dsa_score_elements // (batch * (1 if fused else heads) * key_block))
     parts = []
     for q0 in range(0, seq, query_block):
         q1 = min(seq, q0 + query_block)
         query_pos = torch.arange(query_start + q0, query_start + q1, device=device)
-        running = _RunningTopk(width)
+        running = _RunningTopk(width, options.dsa_topk)
         for keys_TBD, first in segments:
             for k0 in range(0, keys_TBD.shape[0], key_block):
                 if first + k0 > query_start + q1 - 1:  # every key of the block is in the future
@@ -217,19 +209,21 @@ def candidate_positions(candidates) -> torch.Tensor:
 
 @torch.no_grad()
 def index_topk_blockwise(q_SBHD: torch.Tensor, weights_SBH: torch.Tensor, segments, query_start: int,
-                         index_topk: int, use_relu: bool) -> torch.Tensor:
+                         index_topk: int, use_relu: bool, options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """DSA top-k positions ``[b, s, min(index_topk, keys)]`` (``-1``: no visible key) of the
     indexer queries ``[s, b, heads, d]`` at positions ``query_start + i`` over the key
     ``segments`` ``[(keys [t, 1 or b, d], first position), ...]`` (ascending positions); sorted
     by score descending, ties by position ascending, exactly like ``fused_qk_topk_causal`` on the
     concatenated keys. On CUDA with bf16/fp16 inputs the scores come from the fused Triton
-    kernel (``index_scores_triton``), elsewhere from Megatron's ``_compute_index_scores``."""
+    kernel (``index_scores_triton``), elsewhere from Megatron's ``_compute_index_scores``; in
+    blocks set by ``options`` (``topk_candidates``)."""
     seq, batch = q_SBHD.shape[:2]
     width = min(index_topk, sum(keys.shape[0] for keys, _ in segments))
     if width == 0:
         return torch.full((batch, seq, 0), -1, dtype=torch.int64, device=q_SBHD.device)
     dtype = torch.promote_types(torch.promote_types(q_SBHD.dtype, segments[0][0].dtype), torch.float32)
-    return candidate_positions(topk_candidates(q_SBHD, weights_SBH, segments, query_start, width, use_relu, dtype))
+    return candidate_positions(topk_candidates(q_SBHD, weights_SBH, segments, query_start, width, use_relu, dtype,
+                                               options))
 
 
 def _gather_keys(segments, index_BQK: torch.Tensor) -> torch.Tensor:
@@ -252,17 +246,35 @@ def _gather_keys(segments, index_BQK: torch.Tensor) -> torch.Tensor:
     return keys
 
 
-def _attend_block(firsts, scale, v_channels, query_QBNW, topk_BQK, *pages):
-    """Absorbed sparse attention ``[q, b, heads, v]`` of a query block over its selected keys in
-    the pages starting at positions ``firsts`` (Megatron's unfused math: fp32 scores and softmax,
-    probabilities cast to the key dtype)."""
-    segments = list(zip(pages, firsts))
-    keys_BQKW = _gather_keys(segments, topk_BQK.clamp_min(0))
+def _locate(topk_BQK: torch.Tensor, positions_T):
+    """``(index, here)`` of the picks ``[b, q, k]``: with ``positions_T`` (the ascending global
+    positions of one page tensor) the page row of each pick, found with ``searchsorted``
+    (clamped where absent), and whether the pick lives in these pages; without, the picks are
+    positions in the segments themselves (``-1``: none)."""
+    if positions_T is None:
+        return topk_BQK.clamp_min(0), topk_BQK >= 0
+    rows = torch.searchsorted(positions_T, topk_BQK.clamp_min(0)).clamp_max(positions_T.numel() - 1)
+    return rows, (positions_T[rows] == topk_BQK) & (topk_BQK >= 0)
+
+
+def _attend_block(firsts, scale, v_channels, partial, query_QBNW, topk_BQK, positions_T, *pages):
+    """Absorbed sparse attention of a query block over its selected keys in the ``pages``
+    starting at positions ``firsts`` (picks located by ``_locate``). Normalized, Megatron's
+    unfused math: fp32 scores and softmax, probabilities cast to the key dtype, ``[q, b, heads,
+    v]``. ``partial``: fp32 throughout, ``(out [q, b, n, v], lse [q, b, n])``, the empty
+    partial for a query with no pick in these pages."""
+    index, here = _locate(topk_BQK, positions_T)
+    keys_BQKW = _gather_keys(list(zip(pages, firsts)), index)
     compute = torch.promote_types(query_QBNW.dtype, torch.float32)  # as patches.dsa_promote_precision
+    if partial:
+        keys_BQKW = keys_BQKW.to(compute)
     scores_BQNK = torch.einsum("qbnw,bqkw->bqnk", query_QBNW.to(compute), keys_BQKW.to(compute)) * scale
-    scores_BQNK = scores_BQNK.masked_fill((topk_BQK < 0)[:, :, None, :], float("-inf"))
-    probs_BQNK = scores_BQNK.softmax(dim=-1).to(keys_BQKW.dtype)
-    return torch.einsum("bqnk,bqkc->qbnc", probs_BQNK, keys_BQKW[..., :v_channels])
+    scores_BQNK = scores_BQNK.masked_fill(~here[:, :, None, :], float("-inf"))
+    if not partial:
+        probs_BQNK = scores_BQNK.softmax(dim=-1).to(keys_BQKW.dtype)
+        return torch.einsum("bqnk,bqkc->qbnc", probs_BQNK, keys_BQKW[..., :v_channels])
+    probs_BQNK, lse_BQN = softmax_partial(scores_BQNK)
+    return torch.einsum("bqnk,bqkc->qbnc", probs_BQNK, keys_BQKW[..., :v_channels]), lse_BQN.permute(1, 0, 2)
 
 
 def _fused_attention(query_SBNW: torch.Tensor, pages, v_channels: int):
@@ -275,8 +287,35 @@ def _fused_attention(query_SBNW: torch.Tensor, pages, v_channels: int):
     return sparse_mla_triton if sparse_mla_triton.supported(query_SBNW, pages, v_channels) else None
 
 
+def _sparse_blockwise(query_SBNW, pages, firsts, positions_T, topk_BSK, scale: float, v_channels: int,
+                      partial: bool, options: KernelOptions, fused_ok: bool = True):
+    """The one driver of the gathered sparse attention: the fused forward kernel when it takes
+    the inputs (and ``fused_ok``), else ``_attend_block`` in blocks of queries within the
+    gather budget (``options.dsa_gather_elements``), each recomputed in backward
+    (``torch.utils.checkpoint``) when gradients are wanted. ``partial`` selects the output:
+    ``(out, lse)`` in fp32 or the normalized output."""
+    fused = _fused_attention(query_SBNW, pages, v_channels) if fused_ok else None
+    if fused:
+        index, here = _locate(topk_BSK, positions_T)
+        out, lse = fused.sparse_latent_forward(query_SBNW, pages, torch.where(here, index - firsts[0], -1), scale,
+                                               v_channels)
+        return (out, lse) if partial else out.to(pages[0].dtype)
+    seq, batch, heads, width = query_SBNW.shape
+    picks = topk_BSK.shape[-1]
+    rows = max(1, options.dsa_gather_elements // max(1, batch * picks * (width + heads)))
+    block = functools.partial(_attend_block, tuple(firsts), scale, v_channels, partial)
+    grad = torch.is_grad_enabled() and (query_SBNW.requires_grad or any(p.requires_grad for p in pages))
+    outs = []
+    for q0 in range(0, seq, rows):
+        args = (query_SBNW[q0:q0 + rows], topk_BSK[:, q0:q0 + rows], positions_T, *pages)
+        outs.append(checkpoint(block, *args, use_reentrant=False) if grad else block(*args))
+    if partial:
+        return torch.cat([out for out, _ in outs]), torch.cat([lse for _, lse in outs])
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 def sparse_latent_attention(query_SBNW: torch.Tensor, segments, topk_BSK: torch.Tensor, scale: float,
-                            v_channels: int) -> torch.Tensor:
+                            v_channels: int, options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """Absorbed-MLA sparse attention ``[s, b, heads, v_channels]`` (before the V up projection)
     of the queries ``[s, b, heads, kv_lora_rank + rope]`` over their selected keys.
 
@@ -284,72 +323,24 @@ def sparse_latent_attention(query_SBNW: torch.Tensor, segments, topk_BSK: torch.
     positions (``-1``: none). Every query must have at least one selected key (it sees itself).
     Without autograd on CUDA, one or two adjacent segments run in the fused Triton kernel.
     """
-    pages = [p for p, _ in segments]
     adjacent = all(a[1] + a[0].shape[0] == b[1] for a, b in zip(segments, segments[1:]))
-    fused = _fused_attention(query_SBNW, pages, v_channels) if adjacent else None
-    if fused:
-        local_BSK = torch.where(topk_BSK >= 0, topk_BSK - segments[0][1], -1)
-        return fused.sparse_latent_forward(query_SBNW, pages, local_BSK, scale, v_channels)[0].to(pages[0].dtype)
-    seq, batch, heads, width = query_SBNW.shape
-    picks = topk_BSK.shape[-1]
-    rows = max(1, GATHER_ELEMENTS // max(1, batch * picks * (width + heads)))
-    block = functools.partial(_attend_block, tuple(first for _, first in segments), scale, v_channels)
-    grad = torch.is_grad_enabled() and (query_SBNW.requires_grad or any(p.requires_grad for p in pages))
-    outs = []
-    for q0 in range(0, seq, rows):
-        args = (query_SBNW[q0:q0 + rows], topk_BSK[:, q0:q0 + rows], *pages)
-        outs.append(checkpoint(block, *args, use_reentrant=False) if grad else block(*args))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-
-_MASKED = -1e30  # finite: a row with no selected key in a part keeps finite gradients (weight 0)
-
-
-def _local_rows(positions_T: torch.Tensor, topk_BSK: torch.Tensor):
-    """``(rows, here)``: the page row of each pick (found by position in the ascending
-    ``positions_T``; clamped where absent) and whether the pick lives in these pages."""
-    rows = torch.searchsorted(positions_T, topk_BSK.clamp_min(0)).clamp_max(positions_T.numel() - 1)
-    return rows, (positions_T[rows] == topk_BSK) & (topk_BSK >= 0)
-
-
-def _partial_block(scale, v_channels, query_QBNW, topk_BQK, pages_TBW, positions_T):
-    """``(out [q, b, n, v], lse [q, b, n])`` of a query block over its selected keys among
-    ``pages`` (at ascending ``positions_T``); picks elsewhere are masked."""
-    compute = torch.promote_types(query_QBNW.dtype, torch.float32)
-    index, here = _local_rows(positions_T, topk_BQK)
-    keys_BQKW = _gather_keys([(pages_TBW, 0)], index).to(compute)
-    scores_BQNK = torch.einsum("qbnw,bqkw->bqnk", query_QBNW.to(compute), keys_BQKW) * scale
-    scores_BQNK = scores_BQNK.masked_fill(~here[:, :, None, :], _MASKED)
-    lse_BQN = scores_BQNK.logsumexp(-1)
-    out = torch.einsum("bqnk,bqkc->qbnc", (scores_BQNK - lse_BQN[..., None]).exp(), keys_BQKW[..., :v_channels])
-    return out, lse_BQN.permute(1, 0, 2)
+    return _sparse_blockwise(query_SBNW, [p for p, _ in segments], [first for _, first in segments], None,
+                             topk_BSK, scale, v_channels, partial=False, options=options, fused_ok=adjacent)
 
 
 def sparse_latent_partial(query_SBNW: torch.Tensor, pages_TBW: torch.Tensor, positions_T: torch.Tensor,
-                          topk_BSK: torch.Tensor, scale: float, v_channels: int):
+                          topk_BSK: torch.Tensor, scale: float, v_channels: int,
+                          options: KernelOptions = KernelOptions()):
     """One part of a sparse attention split over key sets (CP ranks; a replicated response):
     ``(out [s, b, n, v], lse [s, b, n])`` in fp32 (fp64 for fp64) over the selected keys found in
     ``pages`` ``[t, 1 or b, w]`` at ascending global ``positions_T``; a row with none of its picks
-    here gets ``lse`` near ``-1e30`` (weight 0 when parts merge). In query blocks, recomputed in
-    backward like ``sparse_latent_attention``."""
-    seq, batch, heads, width = query_SBNW.shape
-    compute = torch.promote_types(query_SBNW.dtype, torch.float32)
+    here gets the empty partial (``out = 0``, ``lse = -inf``, see ``partials``). In query blocks,
+    recomputed in backward like ``sparse_latent_attention``."""
     if pages_TBW.shape[0] == 0:
         # still a function of the queries: every CP rank must take part in the backward all-reduce
-        out = query_SBNW.new_zeros(seq, batch, heads, v_channels, dtype=compute) + 0 * query_SBNW[..., :1]
-        return out, torch.full((seq, batch, heads), _MASKED, dtype=compute, device=query_SBNW.device)
-    fused = _fused_attention(query_SBNW, [pages_TBW], v_channels)
-    if fused:
-        index, here = _local_rows(positions_T, topk_BSK)
-        return fused.sparse_latent_forward(query_SBNW, [pages_TBW], torch.where(here, index, -1), scale, v_channels)
-    picks = topk_BSK.shape[-1]
-    rows = max(1, GATHER_ELEMENTS // max(1, batch * picks * (width + heads)))
-    block = functools.partial(_partial_block, scale, v_channels)
-    grad = torch.is_grad_enabled() and (query_SBNW.requires_grad or pages_TBW.requires_grad)
-    outs, lses = [], []
-    for q0 in range(0, seq, rows):
-        args = (query_SBNW[q0:q0 + rows], topk_BSK[:, q0:q0 + rows], pages_TBW, positions_T)
-        out, lse = checkpoint(block, *args, use_reentrant=False) if grad else block(*args)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
+        seq, batch, heads, _ = query_SBNW.shape
+        compute = torch.promote_types(query_SBNW.dtype, torch.float32)
+        out, lse = empty_partial((seq, batch, heads, v_channels), compute, query_SBNW.device)
+        return out + 0 * query_SBNW[..., :1], lse
+    return _sparse_blockwise(query_SBNW, [pages_TBW], [0], positions_T, topk_BSK, scale, v_channels, partial=True,
+                             options=options)

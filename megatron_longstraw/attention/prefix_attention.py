@@ -7,15 +7,13 @@ log-sum-exp, merges them exactly, and in backward hands each part the merged out
 gradients equal one global softmax (``prefix_attention_cuda.py``).
 """
 
-import os
 from typing import Optional
 
 import torch
 
-
-def _expand_groups(x_BGSD: torch.Tensor, heads: int) -> torch.Tensor:
-    groups = x_BGSD.shape[1]
-    return x_BGSD if groups == heads else x_BGSD.repeat_interleave(heads // groups, dim=1)
+from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.attention.partials import default_scale, expand_groups
+from megatron_longstraw.attention.prefix_attention_cuda import prefix_causal_attention_cuda
 
 
 def prefix_causal_attention_math(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, prefix_v_SBGD=None,
@@ -25,15 +23,15 @@ def prefix_causal_attention_math(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, pre
     A prefix with batch 1 is shared by every query sample (G responses of one prompt).
     """
     seq, batch, heads, dim = q_SBHD.shape
-    scale = dim ** -0.5 if scale is None else scale
+    scale = default_scale(scale, dim)
     compute = torch.promote_types(q_SBHD.dtype, torch.float32)
     q = q_SBHD.permute(1, 2, 0, 3).to(compute)
-    k = _expand_groups(k_SBGD.permute(1, 2, 0, 3).to(compute), heads)
-    v = _expand_groups(v_SBGD.permute(1, 2, 0, 3).to(compute), heads)
+    k = expand_groups(k_SBGD.permute(1, 2, 0, 3).to(compute), heads)
+    v = expand_groups(v_SBGD.permute(1, 2, 0, 3).to(compute), heads)
     mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
     if prefix_k_SBGD is not None and prefix_k_SBGD.shape[0] > 0:
-        pk = _expand_groups(prefix_k_SBGD.permute(1, 2, 0, 3).to(compute), heads).expand(batch, -1, -1, -1)
-        pv = _expand_groups(prefix_v_SBGD.permute(1, 2, 0, 3).to(compute), heads).expand(batch, -1, -1, -1)
+        pk = expand_groups(prefix_k_SBGD.permute(1, 2, 0, 3).to(compute), heads).expand(batch, -1, -1, -1)
+        pv = expand_groups(prefix_v_SBGD.permute(1, 2, 0, 3).to(compute), heads).expand(batch, -1, -1, -1)
         k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
         prefix_mask = torch.ones(seq, pk.shape[2], dtype=torch.bool, device=q.device)
         mask = torch.cat([prefix_mask, mask], dim=1)
@@ -44,15 +42,14 @@ def prefix_causal_attention_math(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, pre
 
 
 def prefix_causal_attention(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, prefix_v_SBGD=None,
-                            scale: Optional[float] = None) -> torch.Tensor:
+                            scale: Optional[float] = None,
+                            options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """New-token queries ``[s, b, h, d]`` over prefix keys (all visible) and new keys (causal).
 
     ``prefix_k/v`` are ``[p, b or 1, groups, d]`` and carry no gradient; gradients flow to the
     new queries, keys and values. Returns ``[s, b, h, d_v]``. On a GPU, or anywhere with
-    ``LONGSTRAW_ATTENTION_BACKEND=emulated`` (tests), the fused path runs.
+    ``options.attention_backend == "emulated"`` (tests), the fused path runs.
     """
-    if q_SBHD.is_cuda or os.environ.get("LONGSTRAW_ATTENTION_BACKEND") == "emulated":
-        from megatron_longstraw.attention.prefix_attention_cuda import prefix_causal_attention_cuda
-
-        return prefix_causal_attention_cuda(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD, prefix_v_SBGD, scale)
+    if q_SBHD.is_cuda or options.attention_backend == "emulated":
+        return prefix_causal_attention_cuda(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD, prefix_v_SBGD, scale, options)
     return prefix_causal_attention_math(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD, prefix_v_SBGD, scale)

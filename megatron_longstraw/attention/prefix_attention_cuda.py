@@ -1,44 +1,33 @@
 """GPU path of ``prefix_causal_attention``: fused-attention calls merged by log-sum-exp.
 
 Part 1: every new query over the prefix (the prompt state), no mask, in blocks of at most
-``LONGSTRAW_PREFIX_BLOCK`` keys (default 262,144). All query heads of a KV group and all samples
-of the micro-batch share the same prefix keys, so they are folded into the query length
-(``[1, groups, samples * heads_per_group * s, d]``): no copy or head expansion of the prompt
-pages. Part 2: the new tokens over themselves, causal (small). Outputs merge exactly with their
-log-sum-exps. Backward runs each part's fused backward with the *merged* output and log-sum-exp,
-which yields exactly the gradient of one softmax over all parts; the prefix keys/values get no
-gradient (their parts' dK/dV are discarded, and blocking bounds those transients).
+``KernelOptions.prefix_block`` keys (``--prefix-block``, default 262,144). All query heads of a
+KV group and all samples of the micro-batch share the same prefix keys, so they are folded into
+the query length (``[1, groups, samples * heads_per_group * s, d]``): no copy or head expansion
+of the prompt pages. Part 2: the new tokens over themselves, causal (small). Outputs merge
+exactly with their log-sum-exps (``partials.merge_partials``). Backward runs each part's fused
+backward with the *merged* output and log-sum-exp, which yields exactly the gradient of one
+softmax over all parts; the prefix keys/values get no gradient (their parts' dK/dV are
+discarded, and blocking bounds those transients).
+
+With a process group (context parallelism, ``cp_attention``) the prefix is this rank's pages:
+their part is merged over the group before the new tokens' part joins it, and the queries'
+gradient from the pages is all-reduced over the group.
 
 Kernels: cuDNN SDPA (fastest on Hopper at head dim 128/256) or flash SDPA, both from torch and
-both returning the log-sum-exp; ``LONGSTRAW_ATTENTION_BACKEND=cudnn|flash`` chooses.
-``emulated`` runs the same kernel interface in plain torch, so the folding, blocking and merge
-logic is tested on a CPU (``tests/test_prefix_attention.py``).
+both returning the log-sum-exp; ``KernelOptions.attention_backend`` (``--attention-backend
+cudnn|flash``) chooses. ``emulated`` runs the same kernel interface in plain torch, so the
+folding, blocking and merge logic is tested on a CPU (``tests/test_prefix_attention.py``).
 """
 
-import os
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 
-_BACKENDS = ("cudnn", "flash", "emulated")
-
-
-def _backend() -> str:
-    choice = os.environ.get("LONGSTRAW_ATTENTION_BACKEND", "cudnn")
-    if choice not in _BACKENDS:
-        raise ValueError(f"LONGSTRAW_ATTENTION_BACKEND must be one of {_BACKENDS}, got {choice!r}")
-    return choice
-
-
-def _prefix_block() -> int:
-    block = int(os.environ.get("LONGSTRAW_PREFIX_BLOCK", 262_144))
-    if block < 1:
-        raise ValueError(f"LONGSTRAW_PREFIX_BLOCK must be >= 1, got {block}")
-    return block
-
-
-def prefix_kernel_settings() -> tuple[str, int]:
-    """``(backend, prefix block)`` from ``LONGSTRAW_ATTENTION_BACKEND`` / ``LONGSTRAW_PREFIX_BLOCK``."""
-    return _backend(), _prefix_block()
+from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.attention.partials import (
+    default_scale, empty_partial, expand_groups, merge_partials, merge_partials_over_group, softmax_partial)
 
 
 def _emulated_scores(q, k, causal, scale):
@@ -58,13 +47,15 @@ def _kernel(backend, q, k):
     return backend
 
 
-def _forward(backend, q, k, v, causal, scale):
-    """(out_BHSD, lse_BHS, aux) with the kernel's bookkeeping for its backward."""
+def kernel_forward(backend, q, k, v, causal, scale):
+    """One part on the ``backend`` kernel: ``(out_BHSD, lse_BHS, aux)`` of the queries
+    ``[b, h, s_q, d]`` over the keys/values ``[b, h, s_k, d]`` (causal: top-left aligned), with
+    the kernel's bookkeeping ``aux`` for ``kernel_backward``."""
     backend = _kernel(backend, q, k)
     if backend == "emulated":
         scores = _emulated_scores(q, k, causal, scale)
-        lse = scores.logsumexp(-1)
-        return ((scores - lse[..., None]).exp() @ v.to(scores.dtype)).to(q.dtype), lse, None
+        probs, lse = softmax_partial(scores)
+        return (probs @ v.to(scores.dtype)).to(q.dtype), lse, None
     if backend == "cudnn":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale)
@@ -74,8 +65,9 @@ def _forward(backend, q, k, v, causal, scale):
     return out, lse.reshape(q.shape[:3]), (cum_q, cum_k, max_q, max_k, seed, offset)
 
 
-def _backward(backend, grad, q, k, v, out, lse, aux, causal, scale):
-    """(dq, dk, dv) of one part, given the merged output and log-sum-exp."""
+def kernel_backward(backend, grad, q, k, v, out, lse, aux, causal, scale):
+    """(dq, dk, dv) of one ``kernel_forward`` part, given the merged output and log-sum-exp
+    (which makes them the gradients of one softmax over every part)."""
     backend = _kernel(backend, q, k)
     if backend == "emulated":
         scores = _emulated_scores(q, k, causal, scale)
@@ -123,32 +115,34 @@ def merge_prefix_blocks(backend, block, q_BHSD, pk_1GPD, pv_1GPD, scale, acc_BHS
     q1 = _fold(q_BHSD, groups)
     aux_prefix = []
     for start, end in _blocks(pk_1GPD, block):
-        out_b, lse_b, aux = _forward(backend, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end],
-                                     False, scale)
+        out_b, lse_b, aux = kernel_forward(backend, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end],
+                                           False, scale)
         aux_prefix.append(aux)
         out_b = _unfold(out_b, q_BHSD.shape)
         lse_b = _unfold(lse_b.unsqueeze(-1), q_BHSD.shape).squeeze(-1)
-        merged = torch.logaddexp(lse_BHS, lse_b)
-        acc_BHSD = (acc_BHSD * (lse_BHS - merged).exp().unsqueeze(-1)
-                    + out_b.to(acc_BHSD.dtype) * (lse_b - merged).exp().unsqueeze(-1))
-        lse_BHS = merged
+        acc_BHSD, lse_BHS = merge_partials(acc_BHSD, lse_BHS, out_b, lse_b)
     return acc_BHSD, lse_BHS, q1, aux_prefix
 
 
 class _PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, scale):
-        backend, block = _backend(), _prefix_block()
-        out, lse, aux_new = _forward(backend, q_BHSD, k_BHSD, v_BHSD, True, scale)
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, scale, backend, block, group):
+        out, lse, aux_new = kernel_forward(backend, q_BHSD, k_BHSD, v_BHSD, True, scale)
         q1, aux_prefix = None, []
-        if pk_1GPD is not None:
-            acc = out.to(torch.promote_types(out.dtype, torch.float32))
+        compute = torch.promote_types(out.dtype, torch.float32)
+        if group is not None:  # this rank's pages from empty, merged over the group, then the new keys
+            pages = empty_partial(q_BHSD.shape[:3] + v_BHSD.shape[3:], compute, q_BHSD.device)
+            acc, pages_lse, q1, aux_prefix = merge_prefix_blocks(backend, block, q_BHSD, pk_1GPD, pv_1GPD, scale,
+                                                                 *pages)
+            acc, lse = merge_partials(out, lse, *merge_partials_over_group(acc, pages_lse, group))
+            out = acc.to(q_BHSD.dtype)
+        elif pk_1GPD is not None:
             acc, lse, q1, aux_prefix = merge_prefix_blocks(backend, block, q_BHSD, pk_1GPD, pv_1GPD, scale,
-                                                           acc, lse)
+                                                           out.to(compute), lse)
             out = acc.to(q_BHSD.dtype)
         ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, out, lse, q1)
         ctx.aux = (aux_new, aux_prefix)
-        ctx.scale, ctx.backend, ctx.block = scale, backend, block
+        ctx.scale, ctx.backend, ctx.block, ctx.group = scale, backend, block, group
         return out
 
     @staticmethod
@@ -156,11 +150,25 @@ class _PrefixCausalAttention(torch.autograd.Function):
         q, k, v, pk, pv, out, lse, q1 = ctx.saved_tensors
         aux_new, aux_prefix = ctx.aux
         grad_BHSD = grad_BHSD.contiguous()
-        dq, dk, dv = _backward(ctx.backend, grad_BHSD, q, k, v, out, lse, aux_new, True, ctx.scale)[:3]
+        dq, dk, dv = kernel_backward(ctx.backend, grad_BHSD, q, k, v, out, lse, aux_new, True, ctx.scale)[:3]
         if pk is not None:
-            dq = dq + prefix_blocks_dq(ctx.backend, ctx.block, grad_BHSD, q, q1, pk, pv, out, lse, aux_prefix,
-                                       ctx.scale)
-        return dq, dk, dv, None, None, None
+            dq_prefix = prefix_blocks_dq(ctx.backend, ctx.block, grad_BHSD, q, q1, pk, pv, out, lse, aux_prefix,
+                                         ctx.scale)
+            if ctx.group is not None:
+                dist.all_reduce(dq_prefix, group=ctx.group)  # the pages of every rank
+            dq = dq + dq_prefix
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def prefix_attention_parts(q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, scale: float, backend: str, block: int,
+                           group=None) -> torch.Tensor:
+    """The fused path with autograd on ``[b, h, s, d]`` tensors: the queries over the batch-1
+    prefix ``pk/pv_1GPD`` (``[1, groups, p, d]`` or None; no mask, no gradient) and over the new
+    keys/values ``[b, h, s, d]`` (causal), merged exactly. With ``group`` the prefix is this
+    rank's share of the prefix keys, merged over the group; the result and the gradients are
+    then the same on every rank. Returns ``[b, h, s, d_v]``."""
+    assert group is None or pk_1GPD is not None, "a group merge needs this rank's pages"
+    return _PrefixCausalAttention.apply(q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, scale, backend, block, group)
 
 
 def prefix_blocks_dq(backend, block, grad_BHSD, q_BHSD, q1, pk_1GPD, pv_1GPD, out_BHSD, lse_BHS, aux_blocks,
@@ -172,27 +180,28 @@ def prefix_blocks_dq(backend, block, grad_BHSD, q_BHSD, q1, pk_1GPD, pv_1GPD, ou
     lse1 = _fold(lse_BHS.unsqueeze(-1), groups).squeeze(-1).contiguous()
     dq = torch.zeros_like(q_BHSD)
     for (start, end), aux in zip(_blocks(pk_1GPD, block), aux_blocks):
-        dq1 = _backward(backend, grad1, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end], out1, lse1,
-                        aux, False, scale)[0]
+        dq1 = kernel_backward(backend, grad1, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end], out1,
+                              lse1, aux, False, scale)[0]
         dq = dq + _unfold(dq1, q_BHSD.shape)
     return dq
 
 
 def prefix_causal_attention_cuda(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, prefix_v_SBGD=None,
-                                 scale=None):
-    """See ``prefix_attention.prefix_causal_attention``; returns ``[s, b, h, d_v]``."""
+                                 scale: Optional[float] = None,
+                                 options: KernelOptions = KernelOptions()) -> torch.Tensor:
+    """See ``prefix_attention.prefix_causal_attention``; returns ``[s, b, h, d_v]``. The kernels
+    are ``options.attention_backend``'s, the prefix runs in blocks of ``options.prefix_block``."""
     seq, batch, heads, dim = q_SBHD.shape
-    scale = dim ** -0.5 if scale is None else scale
+    scale = default_scale(scale, dim)
     q_BHSD = q_SBHD.permute(1, 2, 0, 3)
-    groups = k_SBGD.shape[2]
-    k_BHSD = k_SBGD.permute(1, 2, 0, 3).repeat_interleave(heads // groups, dim=1)
-    v_BHSD = v_SBGD.permute(1, 2, 0, 3).repeat_interleave(heads // groups, dim=1)
+    k_BHSD = expand_groups(k_SBGD.permute(1, 2, 0, 3), heads)
+    v_BHSD = expand_groups(v_SBGD.permute(1, 2, 0, 3), heads)
     pk = pv = None
     if prefix_k_SBGD is not None and prefix_k_SBGD.shape[0] > 0:
         if prefix_k_SBGD.shape[1] != 1:
             raise ValueError("prefix attention (GPU): the prompt state must have batch 1")
         pk = prefix_k_SBGD.permute(1, 2, 0, 3)
         pv = prefix_v_SBGD.permute(1, 2, 0, 3)
-    out_BHSD = _PrefixCausalAttention.apply(q_BHSD.contiguous(), k_BHSD.contiguous(),
-                                            v_BHSD.contiguous(), pk, pv, scale)
+    out_BHSD = prefix_attention_parts(q_BHSD.contiguous(), k_BHSD.contiguous(), v_BHSD.contiguous(), pk, pv, scale,
+                                      options.attention_backend, options.prefix_block)
     return out_BHSD.permute(2, 0, 1, 3)

@@ -7,7 +7,8 @@ chunk's keys/values to the pages and in replay attends over them (``prefix_atten
 decode each sample appends its new token's keys/values to its own pages and attends over the
 shared prompt pages plus its own (``decode_attention``). Under context parallelism the pages
 are sharded over the CP group and capture/replay/decode merge every rank's part (``cp_attention``,
-``decode_attention``).
+``decode_attention``). The kernels run with the module's ``kernel_options`` (``KernelOptions``:
+backend, prefix block), which the model build sets.
 """
 
 from dataclasses import dataclass, field
@@ -22,10 +23,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longstraw.attention.cp_attention import cp_capture_attention, cp_prefix_causal_attention
 from megatron_longstraw.attention.decode_attention import decode_attention
+from megatron_longstraw.attention.kernel_options import UsesKernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
-from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
-from megatron_longstraw.longstraw.context_parallel import context_parallel_group
-from megatron_longstraw.longstraw.state import LayerState
+from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
+from megatron_longstraw.core.collectives import context_parallel_group
+from megatron_longstraw.core.state import LayerState
 
 
 @dataclass
@@ -64,7 +66,7 @@ class AttentionDecodeState(AttentionKVState):
     prompt: Optional[AttentionKVState] = field(default=None, kw_only=True)
 
 
-class SDPACoreAttention(MegatronModule, StatefulModule):
+class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
     """Core attention ``softmax(q k^T * scale) v`` with a causal mask and GQA.
 
     Takes ``query_SBHD`` ``[s, b, heads, d]`` and ``key/value_SBGD`` ``[s, b, groups, d]``;
@@ -118,7 +120,8 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
             return self._forward_context_parallel(query, key, value, binding, cp_group).reshape(seq, batch, -1)
         if binding is not None and binding.mode in (Mode.CAPTURE, Mode.REPLAY):
             prefix_k, prefix_v = binding.state.keys_values()
-            out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale)
+            out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
+                                               options=self.kernel_options)
             if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
                 binding.state.append(key[:binding.valid_length], value[:binding.valid_length])
             return out_SBHD.reshape(seq, batch, -1)
@@ -127,7 +130,8 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
             binding.state.append(key[:valid], value[:valid])
             own_k, own_v = binding.state.keys_values()
             prompt_k, prompt_v = binding.state.prompt.keys_values()
-            out_SBHD = decode_attention(query[:valid], own_k, own_v, prompt_k, prompt_v, self.softmax_scale)
+            out_SBHD = decode_attention(query[:valid], own_k, own_v, prompt_k, prompt_v, self.softmax_scale,
+                                        options=self.kernel_options)
             return pad_rows_to(out_SBHD, seq).reshape(seq, batch, -1)
         if binding is not None and binding.mode == Mode.REFERENCE:
             key = detach_prefix(key, binding.prefix_length, 0)
@@ -147,18 +151,18 @@ class SDPACoreAttention(MegatronModule, StatefulModule):
                                  "chunk's shard sizes (use capture_prompt)")
             prefix_k, prefix_v = binding.state.keys_values()
             out_SBHD = cp_capture_attention(query, key, value, prefix_k, prefix_v, binding.shard_sizes,
-                                            self.softmax_scale, cp_group)
+                                            self.softmax_scale, cp_group, options=self.kernel_options)
             binding.state.append(key, value)
             return out_SBHD
         if binding.mode == Mode.REPLAY:
             prefix_k, prefix_v = binding.state.keys_values()
             return cp_prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
-                                              cp_group)
+                                              cp_group, options=self.kernel_options)
         if binding.mode == Mode.DECODE:  # replicated samples over every rank's shard of the pages
             binding.state.append(key, value)
             own_k, own_v = binding.state.keys_values()
             prompt_k, prompt_v = binding.state.prompt.keys_values()
             return decode_attention(query, own_k, own_v, prompt_k, prompt_v, self.softmax_scale,
-                                    cp_group=cp_group)
+                                    cp_group=cp_group, options=self.kernel_options)
         raise ValueError("SDPACoreAttention: the full-graph baseline (--replay-mode full) is not "
                          f"supported with --context-parallel-size {cp_group.size()} > 1 yet")

@@ -10,8 +10,8 @@ pick is written. One program is one query (all heads share its selection, as DSA
 query); picks are processed ``BLOCK_K`` at a time.
 
 Output ``out [s, b, heads, v]`` (fp32) and ``lse [s, b, heads]``, where a query with no pick in
-these pages gets ``out = 0`` and ``lse = -1e30`` (weight 0 when partial attentions merge, as
-``dsa_blockwise.sparse_latent_partial`` returns them). The pages are one or two tensors indexed
+these pages gets the empty partial ``out = 0``, ``lse = -inf`` (``partials``; as
+``dsa_blockwise.sparse_latent_partial`` returns it). The pages are one or two tensors indexed
 as their concatenation (the prompt's latents, then the chunk's own), so nothing is copied.
 
 Numerics differ from Megatron's unfused math only in rounding: the unnormalized probabilities
@@ -43,7 +43,7 @@ def _sparse_latent_kernel(q_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, lse_ptr, n_hea
     q_row = q_ptr + s * stride_qs + heads[:, None] * stride_qh
     q_c = tl.load(q_row + cv[None, :], mask=head_ok[:, None], other=0.0)
     q_r = tl.load(q_row + V + cr[None, :], mask=head_ok[:, None], other=0.0)
-    m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+    m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)  # running max: finite, so exp(m - m_new) is never NaN
     total = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, V), dtype=tl.float32)
     for k0 in range(0, n_picks, BLOCK_K):
@@ -74,7 +74,7 @@ def _sparse_latent_kernel(q_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, lse_ptr, n_hea
         m = m_new
     seen = total > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
-    lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), -1e30)
+    lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
     tl.store(out_ptr + s * stride_os + heads[:, None] * stride_oh + cv[None, :], out, mask=head_ok[:, None])
     tl.store(lse_ptr + s * stride_ls + heads, lse, mask=head_ok)
 

@@ -180,13 +180,13 @@ def hf_to_mcore_checkpoint(load: str | Path, save: str | Path, *, overwrite: boo
 
 
 def _hf_output_config(hf: dict) -> dict:
-    """The ``config.json`` for the converted weights (text model for multimodal Qwen3.5)."""
-    family = family_for(hf.get("model_type"))
-    config = {k: v for k, v in hf.items() if not k.startswith("_")}
-    if hf.get("model_type") == "qwen3_5":
-        _log("writing the text model (Qwen3_5ForCausalLM): the vision tower is not in the checkpoint")
-        config = {k: v for k, v in family.normalize_hf_config(hf).items() if not k.startswith("_")}
-        config["architectures"] = ["Qwen3_5ForCausalLM"]
+    """The ``config.json`` for the converted weights: the family's ``hf_output_config`` (e.g. the
+    text model of a multimodal config)."""
+    config = family_for(hf.get("model_type")).hf_output_config(hf)
+    if config.get("model_type") != hf.get("model_type"):
+        models = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
+        _log(f"writing the {config.get('model_type')} model ({models}): parts of the {hf.get('model_type')} "
+             "model outside the Megatron model (e.g. a vision tower) are not in the checkpoint")
     return config
 
 

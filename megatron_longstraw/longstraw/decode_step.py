@@ -4,8 +4,8 @@ from typing import Optional
 
 import torch
 
-from megatron_longstraw.longstraw.binding import Mode, bind
-from megatron_longstraw.longstraw.decode_state import DecodeState
+from megatron_longstraw.core.binding import Mode, bind
+from megatron_longstraw.core.decode_state import DecodeState
 from megatron_longstraw.longstraw.model_steps import decode, output_logits
 from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
 from megatron_longstraw.models.pipeline_stage import last_chunk

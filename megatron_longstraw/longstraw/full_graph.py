@@ -11,10 +11,10 @@ from typing import Sequence
 
 import torch
 
-from megatron_longstraw.longstraw.binding import Mode, bind
+from megatron_longstraw.core.binding import Mode, bind
+from megatron_longstraw.longstraw.micro_batches import LossFn, micro_batches
 from megatron_longstraw.longstraw.model_steps import (
     FinalNormInput, decode, embed, loss_of, output_logits)
-from megatron_longstraw.longstraw.replay import LossFn, pad_responses
 from megatron_longstraw.models.fp8 import calibrate_gradient_scales, gradient_scales_uncalibrated, prepare_forward
 
 
@@ -46,9 +46,7 @@ def full_graph_responses(model, prompt_ids_1S: torch.Tensor, responses: Sequence
         calibrate_gradient_scales(model, lambda: full_graph_responses(
             model, prompt_ids_1S, responses[:micro_batch_size], loss_fn, micro_batch_size))
     losses = []
-    for start in range(0, len(responses), micro_batch_size):
-        indices = list(range(start, min(start + micro_batch_size, len(responses))))
-        ids_BR, mask_RB = pad_responses([responses[i] for i in indices])
+    for ids_BR, mask_RB, indices in micro_batches(responses, micro_batch_size):
         # backward inside the binding: recomputed layers re-run forward with the same detaches
         with bind(model, Mode.REFERENCE, prefix_length=prompt_ids_1S.shape[1]):
             loss = loss_of(loss_fn, model, full_graph_hidden(model, prompt_ids_1S, ids_BR), ids_BR, mask_RB, indices)

@@ -15,8 +15,8 @@ prompt state of those layers only.
   stage computing logits and log-probs. Whatever only the last stage computes (sampled tokens,
   a group's metrics) reaches the other stages with ``from_last_stage``.
 
-With context parallelism the capture is ``context_parallel.capture_prompt_cp`` (each stage passes
-its CP shard of every chunk on through ``run_stages``); replay, scoring and decoding are these
+With context parallelism the same capture loop passes each stage's CP shard of every chunk on
+through ``run_stages``; replay, scoring and decoding are these
 functions unchanged. Under sequence parallelism the stages pass the whole slice too (as every
 model step's interface is), each stage's decoder running on its TP rank's shard of it.
 
@@ -26,7 +26,6 @@ once per chunk, and replay runs through Megatron's interleaved schedule (one dat
 chunk, micro-batches padded to a multiple of PP); with CP and TP + SP as without them.
 """
 
-import math
 from typing import Callable, Sequence
 
 import torch
@@ -34,10 +33,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_longstraw.longstraw.binding import Mode, bind
+from megatron_longstraw.core.binding import Mode, bind
+from megatron_longstraw.core.state import PromptState
+from megatron_longstraw.longstraw.micro_batches import micro_batches, uniform_micro_batches
 from megatron_longstraw.longstraw.model_steps import (
     decode, embed, loss_of, predicting_hidden, response_logprobs, sequence_parallel)
-from megatron_longstraw.longstraw.state import PromptState
 from megatron_longstraw.models.pipeline_stage import last_chunk, model_chunks
 
 
@@ -104,13 +104,10 @@ def score_logprobs_pp(model, state: PromptState, responses: Sequence[torch.Tenso
     at a time, computed as replay computes them (row 0 from the prompt's last hidden state). The
     last stage returns them; the other stages get zeros of the responses' lengths (only the last
     stage evaluates the loss)."""
-    from megatron_longstraw.longstraw.replay import pad_responses
-
     check_pipeline(model)
     offset, out = state.prompt_length, []
-    for start in range(0, len(responses), micro_batch_size):
-        chunk = responses[start:start + micro_batch_size]
-        ids_BR, _ = pad_responses(chunk)
+    for ids_BR, _, indices in micro_batches(responses, micro_batch_size):
+        chunk = [responses[i] for i in indices]
         with bind(model, Mode.REPLAY, state, position_offset=offset):
             hidden_SBH = run_stages(model, ids_BR, offset, lambda part, h: decode(part, h, offset))
         if hidden_SBH is None:
@@ -123,35 +120,15 @@ def score_logprobs_pp(model, state: PromptState, responses: Sequence[torch.Tenso
     return out
 
 
-def _micro_batches(responses: Sequence[torch.Tensor], micro_batch_size: int):
-    """``(ids_BR, mask_RB, indices)`` per micro-batch, every one ``micro_batch_size`` rows of the
-    same length (the last padded with empty rows, whose ``indices`` are left out)."""
-    from megatron_longstraw.longstraw.replay import pad_responses
-
-    ids_BR, mask_RB = pad_responses(responses)
-    count = math.ceil(len(responses) / micro_batch_size)
-    rows = count * micro_batch_size
-    if rows > len(responses):
-        ids_BR = torch.cat([ids_BR, ids_BR.new_zeros(rows - len(responses), ids_BR.shape[1])])
-        mask_RB = torch.cat([mask_RB, mask_RB.new_zeros(mask_RB.shape[0], rows - len(responses))], dim=1)
-    batches = []
-    for start in range(0, rows, micro_batch_size):
-        indices = [i for i in range(start, start + micro_batch_size) if i < len(responses)]
-        batches.append((ids_BR[start:start + micro_batch_size], mask_RB[:, start:start + micro_batch_size], indices))
-    return batches
-
-
 def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Tensor], loss_fn,
                         micro_batch_size: int = 1) -> list[float]:
     """``replay_responses`` through Megatron's pipeline schedule (same arguments); every stage
     calls it with the same responses. Gradients accumulate in this stage's parameters; returns
     each micro-batch's loss on the last stage, an empty list elsewhere."""
     check_pipeline(model)
-    if micro_batch_size < 1:
-        raise ValueError(f"--replay-micro-batch-size must be >= 1, got {micro_batch_size}")
     if state.batch != 1:
         raise ValueError(f"pipeline-parallel replay needs a prompt state of batch 1, got {state.batch}")
-    batches = _micro_batches(responses, micro_batch_size)
+    batches = uniform_micro_batches(responses, micro_batch_size)
     length = batches[0][0].shape[1]
     if state.prompt_length + length > model.max_sequence_length:
         raise ValueError(f"response of {length} tokens after a {state.prompt_length}-token prompt exceeds the "

@@ -1,33 +1,15 @@
 """Response replay: forward of response tokens against the detached prompt state, with autograd."""
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from megatron_longstraw.longstraw.binding import Mode, bind
+from megatron_longstraw.core.binding import Mode, bind
+from megatron_longstraw.core.state import PromptState
+from megatron_longstraw.longstraw.micro_batches import LossFn, micro_batches
 from megatron_longstraw.longstraw.model_steps import decode, embed, loss_of, output_logits, predicting_hidden
 from megatron_longstraw.longstraw.pipeline import pipeline_parallel, replay_responses_pp
-from megatron_longstraw.longstraw.state import PromptState
 from megatron_longstraw.models.fp8 import calibrate_gradient_scales, gradient_scales_uncalibrated
-
-# loss_fn(logprobs_RB, mask_RB, sample_indices) -> scalar; summed over micro-batches, so it must be
-# a sum of per-sample terms with any normalization fixed for the whole group. A loss with a true
-# ``needs_entropy`` attribute is also given ``entropy_RB=`` (see ``model_steps.loss_of``).
-LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
-
-
-def pad_responses(responses: Sequence[torch.Tensor], pad_id: int = 0):
-    """Right-pad 1-D token tensors into ``ids_BR`` and a float ``mask_RB`` of real tokens."""
-    if not responses or any(r.dim() != 1 or r.numel() == 0 for r in responses):
-        raise ValueError("every response must be a non-empty 1-D token tensor")
-    length = max(r.numel() for r in responses)
-    ids_BR = responses[0].new_full((len(responses), length), pad_id)
-    mask_RB = torch.zeros(length, len(responses), device=responses[0].device)
-    for i, r in enumerate(responses):
-        ids_BR[i, : r.numel()] = r
-        mask_RB[: r.numel(), i] = 1.0
-    return ids_BR, mask_RB
-
 
 def replay_logits(model, state: PromptState, response_ids_BR: torch.Tensor) -> torch.Tensor:
     """Logits ``[r, b, vocab/tp]`` predicting each response token, with autograd."""
@@ -68,9 +50,7 @@ def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor
     if pipeline_parallel():  # Megatron's schedule, one micro-batch per micro_batch_size responses
         return replay_responses_pp(model, state, responses, loss_fn, micro_batch_size)
     losses = []
-    for start in range(0, len(responses), micro_batch_size):
-        indices = list(range(start, min(start + micro_batch_size, len(responses))))
-        ids_BR, mask_RB = pad_responses([responses[i] for i in indices])
+    for ids_BR, mask_RB, indices in micro_batches(responses, micro_batch_size):
         # backward inside the binding: recomputed layers re-run forward against the state
         with bind(model, Mode.REPLAY, state, position_offset=state.prompt_length):
             loss = loss_of(loss_fn, model, replay_hidden(model, state, ids_BR), ids_BR, mask_RB, indices)

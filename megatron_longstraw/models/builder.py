@@ -7,6 +7,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from megatron_longstraw.attention.kernel_options import set_kernel_options
 from megatron_longstraw.models.options import ModelOptions, backend_provider
 from megatron_longstraw.models.pipeline_stage import StageChunks, chunk_layer_ids
 from megatron_longstraw.models.registry import family_for
@@ -19,6 +20,7 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
     """Build the Megatron model for an HF-style config dict on this rank's pipeline stage.
 
     ``to_device=False`` leaves the parameters where they were created (e.g. the meta device).
+    The attention modules take ``options.kernel_options``.
     """
     family = family_for(hf.get("model_type"))
     hf = family.normalize_hf_config(hf)
@@ -50,6 +52,7 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
         **family.gpt_model_kwargs(hf),
     )
     model.hf_config = hf
+    set_kernel_options(model, options.kernel_options)
     if to_device and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -7,7 +7,7 @@ the conv tail from chunk to chunk; replay starts every response from the detache
 decode carries each sample's own copy of the state (``new_decode_state``) from token to token;
 the reference mode detaches the prompt rows of everything that forms that state.
 
-Under context parallelism (``longstraw/context_parallel.py``) the bound forward keeps every head
+Under context parallelism (``core/collectives.py``) the bound forward keeps every head
 on every CP rank (Megatron's own CP splits heads by all-to-all; LongStraw shards the sequence):
 capture hands the recurrent state and the conv tail across the chunk's CP shards exactly
 (``_capture_cp_*``), so the state after the prompt is replicated on every CP rank and replay
@@ -23,9 +23,9 @@ import torch.distributed as dist
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.ssm.gated_delta_net import gdn as mcore_gdn
 
-from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix
-from megatron_longstraw.longstraw.context_parallel import all_gather_rows, context_parallel_group
-from megatron_longstraw.longstraw.state import LayerState
+from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix
+from megatron_longstraw.core.collectives import all_gather_rows, context_parallel_group
+from megatron_longstraw.core.state import LayerState
 
 
 @dataclass
@@ -178,7 +178,7 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
 
     def _capture_cp_delta_rule(self, query, key, value, g, beta, state, cp_group):
         """The delta rule on this rank's shard of a chunk, exact across the CP shards (see the
-        module doc of ``longstraw/context_parallel.py``): a first kernel call from ``[0 | I]`` with
+        module doc of ``core/collectives.py``): a first kernel call from ``[0 | I]`` with
         values ``[v | 0]`` gives the shard's transition ``[B | A]``; the fold gives this shard's
         start state, from which a second, ordinary call computes the output (so the output is the
         kernel's own, not a zero-start output plus a bf16-rounded correction)."""

@@ -79,6 +79,7 @@ from megatron_longstraw.models.glm5_layers import (
     LongStrawDSAttention,
     fixed_eps_norm,
 )
+from megatron_longstraw.models.flops import active_linear_weight_elements, linear_flops, logits_flops
 from megatron_longstraw.models.hf_config import get, require, rope_parameters
 from megatron_longstraw.models.norms import RMSNorm
 from megatron_longstraw.models.options import ModelOptions
@@ -335,6 +336,59 @@ def gpt_model_kwargs(hf: dict) -> dict:
         position_embedding_type="rope",  # GPTModel builds no rotary module for MLA
         share_embeddings_and_output_weights=get(hf, "tie_word_embeddings", False),
     )
+
+
+def check_layout(hf: dict, parallel, rollout_source: str) -> None:
+    """Refuse the parallel layouts GLM-5 lacks (beyond ``transformer_config``'s checks): decoding
+    (internal rollouts) under context parallelism; ``ValueError`` naming the flag."""
+    if parallel.context > 1 and rollout_source == "internal":
+        raise ValueError(f"--context-parallel-size {parallel.context} with a GLM-5 model: decoding "
+                         "(internal rollouts) under context parallelism is not supported yet for MLA + DSA; "
+                         "use --rollout-source jsonl")
+
+
+# ----------------------------------------------------------------------------- FLOPs (for MFU)
+
+def capture_flops(hf: dict, active_linear_elements: int, prompt_length: int) -> float:
+    """Forward FLOPs of capturing a prompt: active linear weights (``flops.active_linear_weight_
+    elements``), the DSA indexer's scores on layers with their own indexer (``2 * heads * d`` per
+    visible query-key pair), absorbed sparse MLA over ``min(index_topk, position + 1)`` keys per
+    query (scores over ``kv_lora_rank + rope``, values over ``kv_lora_rank``), last logits."""
+    p = float(prompt_length)
+    k = min(float(hf["index_topk"]), p)
+    flops = linear_flops(active_linear_elements, p)
+    own_indexers = hf["indexer_types"].count("full")
+    flops += own_indexers * 2.0 * hf["index_n_heads"] * hf["index_head_dim"] * p * (p + 1) / 2
+    keys_attended = k * p - k * (k - 1) / 2  # sum over positions of min(k, position + 1)
+    latent = hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
+    flops += hf["num_hidden_layers"] * hf["num_attention_heads"] * 2.0 * (latent + hf["kv_lora_rank"]) * keys_attended
+    flops += logits_flops(hf["hidden_size"], hf["vocab_size"], 1)
+    return flops
+
+
+def prompt_flops(hf: dict, model, prompt_length: int) -> float:
+    """Forward FLOPs of capturing a ``prompt_length`` prompt on ``model`` (routed experts counted
+    as ``num_experts_per_tok`` experts per token)."""
+    return capture_flops(hf, active_linear_weight_elements(model, hf["num_experts_per_tok"]), prompt_length)
+
+
+def response_forward_flops(hf: dict, model, prompt_length: int, response_tokens: int) -> None:
+    """No response formula for GLM-5 yet (replay reports no MFU)."""
+    return None
+
+
+# ----------------------------------------------------------------------------- HF side
+
+def hf_reference(model_type: str) -> tuple[str, str, str, str]:
+    """``(modeling module, model class, configuration module, config class)`` of the transformers
+    model, the reference of the parity tests."""
+    return ("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaForCausalLM",
+            "transformers.models.glm_moe_dsa.configuration_glm_moe_dsa", "GlmMoeDsaConfig")
+
+
+def hf_output_config(hf: dict) -> dict:
+    """The ``config.json`` written next to converted weights: the config as given."""
+    return {k: v for k, v in hf.items() if not k.startswith("_")}
 
 
 # ----------------------------------------------------------------------------- weight mapping

@@ -22,7 +22,9 @@ owns the MLA latent state, ``LongStrawDSAIndexer`` the indexer keys (``glm5_stat
 (``prefix_sparse_attention``), or in decode over ``[shared prompt state; the sample's own
 tokens]`` (``glm5_decode``). Under context parallelism capture and replay select the top-k and
 attend over every CP rank's shard (``attention/cp_sparse_attention.py``); decoding is refused.
-Unbound, all three are Megatron's modules unchanged.
+The indexer and the sparse attention run their blockwise kernels with their ``kernel_options``
+(``attention/kernel_options.py``), which the model build sets. Unbound, all three are
+Megatron's modules unchanged.
 """
 
 import contextlib
@@ -42,8 +44,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_longstraw.attention.cp_sparse_attention import (
     chunk_query_positions, cp_index_topk, cp_sparse_latent_attention, up_project)
 from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise, sparse_latent_attention
-from megatron_longstraw.longstraw.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
-from megatron_longstraw.longstraw.context_parallel import all_gather_rows, context_parallel_group
+from megatron_longstraw.attention.kernel_options import KernelOptions, UsesKernelOptions
+from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
+from megatron_longstraw.core.collectives import all_gather_rows, context_parallel_group
 from megatron_longstraw.models.glm5_decode import decode_index_topk, decode_sparse_attention
 from megatron_longstraw.models.glm5_state import (
     IndexerDecodeState, IndexerKeyState, MLADecodeState, MLALatentState)
@@ -94,7 +97,7 @@ class RopeOffset:
     Megatron's MLA and DSA indexer build their RoPE table from position 0 inside forward, and
     under context parallelism for ``len x cp`` positions of which they take this rank's
     load-balanced slice. Capture and replay run a slice of the sequence whose positions start at
-    the binding's offset (``longstraw/context_parallel.py`` lays the shards out contiguously),
+    the binding's offset (``core/collectives.py`` lays the shards out contiguously),
     so inside ``shifted`` the table starts at ``offset`` and covers this rank's tokens only.
     Outside ``shifted`` Megatron's behaviour is unchanged.
     """
@@ -132,7 +135,7 @@ def _refuse_unsupported(module, what: str, packed_seq_params=None, inference_con
 
 
 def prefix_sparse_attention(query_SBNK, key_SBK, prefix_key_SBK, topk_indices_BSK, up_v_weight,
-                            softmax_scale: float, config) -> torch.Tensor:
+                            softmax_scale: float, config, options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """Absorbed-MLA sparse attention of new-token queries over ``[prefix latents; new latents]``.
 
     ``query_SBNK`` ``[s, b, heads, kv_lora_rank + rope]`` (absorbed, post-RoPE), ``key_SBK`` the new
@@ -140,15 +143,15 @@ def prefix_sparse_attention(query_SBNK, key_SBK, prefix_key_SBK, topk_indices_BS
     ``[p, b or 1, ...]`` (no gradient); ``topk_indices_BSK`` index ``[prefix; new]``, -1 for none.
     Each query attends to its selected keys only, gathered in blocks
     (``attention/dsa_blockwise.sparse_latent_attention``: Megatron's unfused absorbed math without
-    its dense ``[heads, queries, keys]`` scores). Returns ``[s, b, heads * v]`` after the V up
-    projection.
+    its dense ``[heads, queries, keys]`` scores; blocks set by ``options``). Returns
+    ``[s, b, heads * v]`` after the V up projection.
     """
     segments = [(prefix_key_SBK.to(key_SBK.dtype), 0), (key_SBK, prefix_key_SBK.shape[0])]
     return up_project(sparse_latent_attention(query_SBNK, segments, topk_indices_BSK, softmax_scale,
-                                              config.kv_lora_rank), up_v_weight)
+                                              config.kv_lora_rank, options), up_v_weight)
 
 
-class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
+class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
     """Megatron's ``DSAIndexer`` that can rank ``[prompt indexer keys; new keys]``.
 
     Its prompt state is the indexer key of every prompt token (``glm5_state.IndexerKeyState``).
@@ -186,7 +189,7 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
         q, k, weights = q[:valid], k[:valid], weights[:valid]
         state.append(k)
         return decode_index_topk(q, weights, state.prompt.filled(), state.filled(), self.index_topk,
-                                 use_relu=self.config.dsa_indexer_scoring_relu)
+                                 use_relu=self.config.dsa_indexer_scoring_relu, options=self.kernel_options)
 
     @torch.no_grad()
     def topk_after_prefix(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
@@ -202,7 +205,7 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
         if group is not None:
             return self._topk_context_parallel(q, k, weights, binding, group)
         topk = index_topk_blockwise(q, weights, [(state.filled(), 0), (k, state.length)], state.length,
-                                    self.index_topk, self.config.dsa_indexer_scoring_relu)
+                                    self.index_topk, self.config.dsa_indexer_scoring_relu, self.kernel_options)
         if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
             state.append(k[:binding.valid_length])
         return topk
@@ -219,15 +222,15 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule):
             topk = cp_index_topk(torch.cat(all_gather_rows(q, sizes, group)),
                                  torch.cat(all_gather_rows(weights, sizes, group)),
                                  [(pages, pages_pos), (k, own_pos)], query_pos,
-                                 self.index_topk, int(query_pos[-1]) + 1, relu, group)
+                                 self.index_topk, int(query_pos[-1]) + 1, relu, group, options=self.kernel_options)
             state.append(k)
             return topk
         query_pos = torch.arange(binding.position_offset, binding.position_offset + q.shape[0], device=q.device)
         return cp_index_topk(q, weights, [(pages, pages_pos)], query_pos, self.index_topk, int(query_pos[-1]) + 1,
-                             relu, group, own_keys_TBD=k, own_pos_T=query_pos)
+                             relu, group, own_keys_TBD=k, own_pos_T=query_pos, options=self.kernel_options)
 
 
-class LongStrawDSAttention(DSAttention):
+class LongStrawDSAttention(DSAttention, UsesKernelOptions):
     """Megatron's ``DSAttention`` plus ``forward_after_prefix`` for capture/replay.
 
     The prompt latents are passed in by the MLA layer that owns them; the top-k comes from this
@@ -263,7 +266,7 @@ class LongStrawDSAttention(DSAttention):
             return self._attention_context_parallel(query_SBNK, key_SB1K.squeeze(2), topk, up_v_weight,
                                                     binding, group)
         return prefix_sparse_attention(query_SBNK, key_SB1K.squeeze(2), prefix_key_SBK, topk,
-                                       up_v_weight, self.softmax_scale, self.config)
+                                       up_v_weight, self.softmax_scale, self.config, self.kernel_options)
 
     def _attention_context_parallel(self, query_SBNK, key_SBK, topk_BSK, up_v_weight, binding, group):
         """``cp_sparse_latent_attention`` over every CP rank's latents: in CAPTURE all the chunk's
@@ -278,12 +281,14 @@ class LongStrawDSAttention(DSAttention):
                                    device=query_SBNK.device)
             out = cp_sparse_latent_attention(
                 torch.cat(all_gather_rows(query_SBNK, sizes, group)), [(pages, pages_pos), (key_SBK, own_pos)],
-                topk_BSK, self.softmax_scale, v_channels, group)[mine:mine + key_SBK.shape[0]]
+                topk_BSK, self.softmax_scale, v_channels, group,
+                options=self.kernel_options)[mine:mine + key_SBK.shape[0]]
         else:
             own_pos = torch.arange(binding.position_offset, binding.position_offset + key_SBK.shape[0],
                                    device=query_SBNK.device)
             out = cp_sparse_latent_attention(query_SBNK, [(pages, pages_pos)], topk_BSK, self.softmax_scale,
-                                             v_channels, group, own_keys_TBK=key_SBK, own_pos_T=own_pos)
+                                             v_channels, group, own_keys_TBK=key_SBK, own_pos_T=own_pos,
+                                             options=self.kernel_options)
         return up_project(out, up_v_weight)
 
     @torch.no_grad()
@@ -293,7 +298,8 @@ class LongStrawDSAttention(DSAttention):
         _refuse_unsupported(self, "DSA", mode=Mode.DECODE)
         topk = self._topk(x, qr, lambda x, qr: self.indexer.topk_decode(x, qr))
         return decode_sparse_attention(query_SBNK, latents.prompt.filled(), latents.filled(), topk,
-                                       up_v_weight, self.softmax_scale, self.config.kv_lora_rank)
+                                       up_v_weight, self.softmax_scale, self.config.kv_lora_rank,
+                                       options=self.kernel_options)
 
 
 class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule):

@@ -38,14 +38,14 @@ from typing import Optional
 
 import torch
 
-from megatron_longstraw.longstraw.state import LayerState
+from megatron_longstraw.core.state import LayerState
 
 
 class _PagedState(LayerState):
     """A buffer ``[prompt, b, d]`` sized for the whole prompt, filled page by page (``length``).
 
     Under context parallelism ``positions_P`` holds the global prompt position of every row of
-    this rank's buffer (set by ``capture_prompt_cp``; bookkeeping, not state: one int64 tensor
+    this rank's buffer (set by the context-parallel ``capture_prompt``; bookkeeping, not state: one int64 tensor
     shared by all layers, excluded from ``tensors``); ``None`` otherwise.
     """
 

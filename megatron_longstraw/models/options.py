@@ -1,10 +1,12 @@
-"""Build options shared by every family: implementation, precision and FP8 settings."""
+"""Build options shared by every family: implementation, precision, FP8 and kernel settings."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from megatron.core import parallel_state
+
+from megatron_longstraw.attention.kernel_options import KernelOptions
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -22,6 +24,8 @@ class ModelOptions:
     sequence_parallel: bool = False
     recompute_granularity: Optional[str] = None
     perform_initialization: bool = True  # False: leave weights uninitialized (checkpoint layouts)
+    # the attention kernels' backend and block sizes, handed to the attention modules at the build
+    kernel_options: KernelOptions = field(default_factory=KernelOptions)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the flag for options that cannot work here."""
@@ -39,6 +43,7 @@ class ModelOptions:
             raise ValueError(f"{flag} needs Transformer Engine, which is not installed")
         if self.fp8_format is not None and self.transformer_impl != "transformer_engine":
             raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
+        self.kernel_options.validate()
 
     def config_kwargs(self) -> dict:
         """``TransformerConfig`` keyword arguments common to every family."""

@@ -30,6 +30,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
+from megatron_longstraw.models.flops import (causal_attention_flops, delta_rule_flops, linear_flops,
+                                          linear_weight_elements, logits_flops)
 from megatron_longstraw.models.gated_delta_net import LongStrawGatedDeltaNet
 from megatron_longstraw.models.hf_config import get, require, rope_parameters
 from megatron_longstraw.models.norms import PlainTENorm, RMSNorm
@@ -190,6 +192,73 @@ def gpt_model_kwargs(hf: dict) -> dict:
         rotary_base=get(rope, "rope_theta", 10_000_000),
         share_embeddings_and_output_weights=get(hf, "tie_word_embeddings", False),
     )
+
+
+def check_layout(hf: dict, parallel, rollout_source: str) -> None:
+    """Parallel layouts this family refuses: none beyond ``transformer_config``'s divisibility
+    checks (Qwen3.5 decodes under every layout)."""
+
+
+# ----------------------------------------------------------------------------- FLOPs (for MFU)
+
+def _mixer_flops(hf: dict, offset: float, tokens: float) -> float:
+    """Attention and Gated DeltaNet FLOPs of ``tokens`` tokens after ``offset`` earlier ones."""
+    n_attn = hf["layer_types"].count("full_attention")
+    n_gdn = hf["layer_types"].count("linear_attention")
+    flops = n_attn * causal_attention_flops(hf["num_attention_heads"], hf["head_dim"], hf["head_dim"], offset, tokens)
+    flops += n_gdn * delta_rule_flops(hf["linear_num_value_heads"], hf["linear_key_head_dim"],
+                                      hf["linear_value_head_dim"], tokens)
+    return flops
+
+
+def capture_flops(hf: dict, linear_elements: int, prompt_length: int) -> float:
+    """Forward FLOPs of capturing a prompt (logits of the last position only), for
+    ``linear_elements`` decoder linear weights (``flops.linear_weight_elements``)."""
+    p = float(prompt_length)
+    return (linear_flops(linear_elements, p) + _mixer_flops(hf, 0.0, p)
+            + logits_flops(hf["hidden_size"], hf["vocab_size"], 1))
+
+
+def response_flops(hf: dict, linear_elements: int, prompt_length: int, response_tokens: int) -> float:
+    """Forward FLOPs of ``response_tokens`` tokens of one response after the prompt: linear
+    layers, attention over the prompt plus the causal response part, Gated DeltaNet, logits."""
+    r = float(response_tokens)
+    return (linear_flops(linear_elements, r) + _mixer_flops(hf, float(prompt_length), r)
+            + logits_flops(hf["hidden_size"], hf["vocab_size"], r))
+
+
+def prompt_flops(hf: dict, model, prompt_length: int) -> float:
+    """Forward FLOPs of capturing a ``prompt_length`` prompt on ``model``."""
+    return capture_flops(hf, linear_weight_elements(model), prompt_length)
+
+
+def response_forward_flops(hf: dict, model, prompt_length: int, response_tokens: int) -> float:
+    """Forward FLOPs of one response of ``response_tokens`` tokens after a ``prompt_length`` prompt."""
+    return response_flops(hf, linear_weight_elements(model), prompt_length, response_tokens)
+
+
+# ----------------------------------------------------------------------------- HF side
+
+_HF_TEXT_MODEL = ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5ForCausalLM",
+                  "transformers.models.qwen3_5.configuration_qwen3_5", "Qwen3_5TextConfig")
+
+
+def hf_reference(model_type: str) -> tuple[str, str, str, str] | None:
+    """``(modeling module, model class, configuration module, config class)`` of the transformers
+    text model, the reference of the parity tests; ``None`` for the multimodal ``qwen3_5``
+    wrapper (its normalized config, ``qwen3_5_text``, has the reference)."""
+    return None if model_type == "qwen3_5" else _HF_TEXT_MODEL
+
+
+def hf_output_config(hf: dict) -> dict:
+    """The ``config.json`` written next to converted weights: the text model's config
+    (``Qwen3_5ForCausalLM``) for a multimodal ``qwen3_5`` config, whose vision tower is not in
+    the Megatron checkpoint; any other config as given."""
+    if hf.get("model_type") == "qwen3_5":
+        config = {k: v for k, v in normalize_hf_config(hf).items() if not k.startswith("_")}
+        config["architectures"] = [_HF_TEXT_MODEL[1]]
+        return config
+    return {k: v for k, v in hf.items() if not k.startswith("_")}
 
 
 # ----------------------------------------------------------------------------- weight mapping

@@ -12,7 +12,7 @@ and every TP rank samples from the same full logits; TP rank 0's tokens are then
 the group, so every rank feeds the same tokens whatever its generator. Pass the same
 ``generator`` seed on every TP rank to keep the generators in step (the random draws are then
 identical anyway). Context parallelism: the prompt state's K/V pages are sharded over the CP
-group (``longstraw/context_parallel.py``) and every CP rank runs this same loop on the same
+group (``core/collectives.py``) and every CP rank runs this same loop on the same
 samples; the attention merges the ranks' page parts, so the logits are the same on every CP rank,
 and CP rank 0's tokens are broadcast over the CP group (after the TP broadcast), so the tokens
 are replicated exactly. Sequence parallelism: a step's tokens are padded to a multiple of TP
@@ -28,12 +28,12 @@ from typing import Callable, Optional
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_longstraw.longstraw.decode_state import new_decode_state
+from megatron_longstraw.core.decode_state import new_decode_state
 from megatron_longstraw.longstraw.decode_step import decode_step
 from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
 from megatron_longstraw.longstraw.model_steps import output_logits
 from megatron_longstraw.longstraw.pipeline import check_pipeline, pipeline_parallel
-from megatron_longstraw.longstraw.state import PromptState
+from megatron_longstraw.core.state import PromptState
 from megatron_longstraw.models.pipeline_stage import last_chunk
 from megatron_longstraw.rollout.sampling import (
     check_sampling, sample_tokens, sampling_logprobs, token_logprobs_full_vocab)

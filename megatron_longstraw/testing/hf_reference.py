@@ -11,15 +11,8 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_longstraw.models.registry import family_for
 from megatron_longstraw.patches.dsa_causal_topk import causal_topk
-
-_MODELING = {
-    "qwen3_5_text": ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5ForCausalLM",
-                     "transformers.models.qwen3_5.configuration_qwen3_5", "Qwen3_5TextConfig"),
-    "glm_moe_dsa": ("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaForCausalLM",
-                    "transformers.models.glm_moe_dsa.configuration_glm_moe_dsa", "GlmMoeDsaConfig"),
-}
-
 
 def _import_without_fla(module_name: str):
     if module_name in sys.modules:
@@ -37,8 +30,13 @@ def _import_without_fla(module_name: str):
 
 
 def hf_model_class(model_type: str):
-    """``(ModelClass, ConfigClass)`` for a model type; torch kernels forced when there is no GPU."""
-    modeling, model_cls, configuration, config_cls = _MODELING[model_type]
+    """``(ModelClass, ConfigClass)`` of the family's HF reference (``hf_reference``) for a model
+    type; torch kernels forced when there is no GPU. ``ValueError`` when the family has none."""
+    family = family_for(model_type)
+    classes = family.hf_reference(model_type)
+    if classes is None:
+        raise ValueError(f"model_type {model_type!r}: the family {family.__name__} has no HF reference model")
+    modeling, model_cls, configuration, config_cls = classes
     if torch.cuda.is_available():
         module = importlib.import_module(modeling)
     else:

@@ -5,17 +5,23 @@ synthetic retrieval task, a few steps on CPU (or GPU), wandb offline, a checkpoi
 """
 
 import argparse
+import dataclasses
 import math
 import os
 
+from megatron_longstraw.attention.kernel_options import ATTENTION_BACKENDS, DSA_TOPK_MODES, KernelOptions
 from megatron_longstraw.distributed import ParallelSizes
-from megatron_longstraw.grpo.policy_loss import validate_loss_args
+from megatron_longstraw.grpo.registry import POLICY_LOSSES, get_policy_loss
+from megatron_longstraw.models.registry import load_family
 
 
 def _model(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", default="qwen3.5-debug", help="preset name or HF folder / config.json")
     g.add_argument("--hf-config", default=None, help="HF config.json or folder (overrides --model)")
+    g.add_argument("--model-family", default=None, metavar="MODULE_OR_PATH",
+                   help="an out-of-tree model family (dotted module path or .py file) serving its MODEL_TYPES; "
+                        "registered before --model / --hf-config is resolved")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="override the model's position budget (RoPE extrapolation)")
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"])
@@ -89,11 +95,20 @@ def _logging(p):
 def _grpo(p):
     g = p.add_argument_group("GRPO")
     g.add_argument("--num-generations", type=int, default=4, help="G: responses per prompt")
-    g.add_argument("--clip-eps-low", type=float, default=0.2)
-    g.add_argument("--clip-eps-high", type=float, default=0.28)
+    g.add_argument("--loss-type", default="grpo", choices=list(POLICY_LOSSES),
+                   help="policy loss (grpo/registry.py): grpo (clipped surrogate), dr_grpo (Dr. GRPO: token sum "
+                        "over max-response-length x responses, no std normalization), gspo (sequence-level "
+                        "ratio and clip), cispo (REINFORCE with a clipped stop-gradient IS weight)")
+    g.add_argument("--clip-eps-low", type=float, default=0.2,
+                   help="ratio floor 1 - eps, shared by every loss (gspo clips sequence ratios: ~3e-4)")
+    g.add_argument("--clip-eps-high", type=float, default=0.28,
+                   help="ratio ceiling 1 + eps, shared by every loss (gspo clips sequence ratios: ~4e-4)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="> 0 keeps a frozen reference model")
-    g.add_argument("--loss-aggregation", default="token", choices=["token", "sequence"])
-    g.add_argument("--advantage-normalization", default="group-std", choices=["group-std", "none"])
+    g.add_argument("--loss-aggregation", default=None, choices=["token", "sequence"],
+                   help="default: the loss's own, token (gspo: sequence, the only one it takes; dr_grpo and "
+                        "cispo take only token)")
+    g.add_argument("--advantage-normalization", default=None, choices=["group-std", "none"],
+                   help="default: the loss's own, group-std (dr_grpo: none, the only one it takes)")
     g.add_argument("--entropy-coef", type=float, default=0.0)
 
 
@@ -135,8 +150,40 @@ def _longstraw(p):
     g.add_argument("--replay-mode", default="longstraw", choices=["longstraw", "full"])
 
 
+def add_kernel_flags(g) -> None:
+    """The attention kernels' flags (``KernelOptions``, whose defaults they take) on the argparse
+    group ``g``: the trainer's ``kernels`` group and the benchmark's."""
+    d = KernelOptions()
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
+                   help="fused kernels of full attention over the prompt state on a GPU; emulated: their "
+                        "interface in plain torch (also on a CPU, for tests)")
+    g.add_argument("--prefix-block", type=int, default=d.prefix_block,
+                   help="prompt keys per fused full-attention call (bounds one call's transients)")
+    g.add_argument("--dsa-key-block", type=int, default=d.dsa_key_block,
+                   help="DSA indexer keys scored at a time by the blockwise top-k")
+    g.add_argument("--dsa-score-elements", type=int, default=d.dsa_score_elements,
+                   help="fp32 elements of one block of DSA index scores (sets the indexer's query block)")
+    g.add_argument("--dsa-gather-elements", type=int, default=d.dsa_gather_elements,
+                   help="elements of one query block's gathered latents and scores in DSA sparse attention "
+                        "(sets its query block)")
+    g.add_argument("--dsa-topk", default=d.dsa_topk, choices=DSA_TOPK_MODES,
+                   help="how the DSA running top-k ranks a key block's fp32 scores: packed (every score in an "
+                        "int64 with its position) or float (the block's fp32 top-k first); same selection")
+
+
+def kernel_options_from_args(args) -> KernelOptions:
+    """The validated ``KernelOptions`` of the parsed ``add_kernel_flags`` flags."""
+    options = KernelOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(KernelOptions)})
+    options.validate()
+    return options
+
+
+def _kernels(p):
+    add_kernel_flags(p.add_argument_group("kernels"))
+
+
 GROUPS = (_model, _parallel, _precision, _optimizer, _training, _checkpointing, _logging, _grpo,
-          _rollout, _reward, _data, _longstraw)
+          _rollout, _reward, _data, _longstraw, _kernels)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,6 +211,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
                                   args.expert_model_parallel_size, args.pipeline_model_parallel_size,
                                   args.num_virtual_stages_per_pipeline_rank)
     args.data_parallel_size = args.parallel.validate(world_size)
+    args.kernels = kernel_options_from_args(args)
     if args.global_batch_size % args.data_parallel_size:
         raise ValueError(f"--global-batch-size {args.global_batch_size} must be divisible by the "
                          f"data-parallel size {args.data_parallel_size}")
@@ -185,8 +233,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
                          f"{args.lr_decay_iters} (default: --train-iters)")
-    validate_loss_args(args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef,
-                       args.loss_aggregation)
+    get_policy_loss(args.loss_type).validate_args(args)  # every loss flag, and the loss's defaults
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -199,6 +246,11 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ValueError(f"--data-path {args.data_path}: no such file")
     if args.tokenizer_type != "NullTokenizer" and not args.tokenizer_model:
         raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    if args.model_family:
+        try:
+            load_family(args.model_family)
+        except ValueError as err:
+            raise ValueError(f"--model-family: {err}") from None
     if args.fp8_format and args.transformer_impl != "transformer_engine":
         raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
     for flag in ("load", "pretrained_checkpoint"):

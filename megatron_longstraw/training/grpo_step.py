@@ -1,14 +1,9 @@
 """One GRPO prompt group on LongStraw: capture -> rollouts -> rewards -> advantages -> old
 log-probs -> replay with autograd. The optimizer step and logging live in ``train_grpo.py``.
 
-Normalization: gradients of the groups of one optimizer step accumulate, and each group's
-state is freed before the next group is captured, so the token count of the whole global batch
-is unknown while groups replay. ``--loss-aggregation token`` therefore backpropagates the plain
-sum over tokens and ``train_grpo.py`` rescales the accumulated gradients once by
-``dp_size / global_tokens`` before Megatron's DDP averages them over data-parallel ranks (exact
-token mean over the global batch, before clipping). ``sequence`` averages each response over its
-tokens and divides by this rank's responses of the step; DDP's average makes it the mean over
-all responses.
+The loss is ``--loss-type``'s from ``grpo/registry.py``, built per group (``for_group``); its
+normalization over the global batch, and any rescale ``train_grpo.py`` applies once the step's
+groups are done (``finish_step``), are the loss's (``grpo/loss_base.py``).
 """
 
 import contextlib
@@ -20,12 +15,13 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_longstraw.grpo.advantages import advantage_stats, group_advantages
-from megatron_longstraw.grpo.policy_loss import GRPOLoss
+from megatron_longstraw.grpo.registry import get_policy_loss
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_hidden, full_graph_responses
 from megatron_longstraw.longstraw.model_steps import response_logprobs
 from megatron_longstraw.longstraw.pipeline import from_last_stage, pipeline_parallel, score_logprobs_pp
-from megatron_longstraw.longstraw.replay import pad_responses, replay_hidden, replay_responses
+from megatron_longstraw.longstraw.micro_batches import micro_batches
+from megatron_longstraw.longstraw.replay import replay_hidden, replay_responses
 from megatron_longstraw.rewards.scoring import score_group
 from megatron_longstraw.rollout.generate import generate_from_state
 from megatron_longstraw.training.progress import progress_bar
@@ -83,20 +79,13 @@ def score_logprobs(model, state, prompt_ids_1S, responses, args) -> list[torch.T
         return score_logprobs_pp(model, state, responses, args.replay_micro_batch_size)
     out = []
     with torch.no_grad():
-        for start in range(0, len(responses), args.replay_micro_batch_size):
-            chunk = responses[start:start + args.replay_micro_batch_size]
-            ids_BR, _ = pad_responses(chunk)
+        for ids_BR, _, indices in micro_batches(responses, args.replay_micro_batch_size):
+            chunk = [responses[i] for i in indices]
             hidden_RBH = (replay_hidden(model, state, ids_BR) if args.replay_mode == "longstraw"
                           else full_graph_hidden(model, prompt_ids_1S, ids_BR))
             logprobs_RB = response_logprobs(model, hidden_RBH, ids_BR.t())
             out.extend(logprobs_RB[: r.numel(), i].float() for i, r in enumerate(chunk))
     return out
-
-
-def _normalizer(responses, args, groups_per_rank: int) -> float:
-    if args.loss_aggregation == "token":
-        return 1.0  # rescaled by the global token count after all groups (module doc)
-    return float(len(responses)) * groups_per_rank
 
 
 def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, generator: torch.Generator,
@@ -128,11 +117,9 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
                     ref_logprobs = score_logprobs(reference, ref_state, prompt_ids_1S, group.responses, args)
                 finally:
                     ref_state.free()
-        loss_fn = GRPOLoss(
-            old_logprobs, advantages_G.to(old_logprobs[0].device), ref_logprobs=ref_logprobs,
-            normalizer=_normalizer(group.responses, args, groups_per_rank), clip_eps_low=args.clip_eps_low,
-            clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
-            aggregation=args.loss_aggregation)
+        loss_fn = get_policy_loss(args.loss_type).for_group(
+            args, old_logprobs, advantages_G.to(old_logprobs[0].device), ref_logprobs=ref_logprobs,
+            groups_per_rank=groups_per_rank)
         with clock("replay"):
             if args.replay_mode == "longstraw":
                 losses = replay_responses(model, state, group.responses, loss_fn, args.replay_micro_batch_size)
@@ -170,10 +157,5 @@ def _group_metrics(group, advantages_G, loss_fn, loss, state_bytes, eos_id, args
         "prompt/length": float(group.prompt_ids_S.numel()), "prompt/state_bytes": float(state_bytes),
         "tokens/response": lengths.sum().item(),
     }
-    renamed = {"policy_loss": "loss/policy", "clip_frac_low": "clip/frac_low", "clip_frac_high": "clip/frac_high",
-               "approx_kl": "kl/approx", "ref_kl": "kl/reference", "entropy": "entropy/mean",
-               "ratio_mean": "ratio/mean", "ratio_max": "ratio/max"}
-    for key, value in loss_fn.metrics().items():
-        if key in renamed:
-            metrics[renamed[key]] = value
+    metrics.update(loss_fn.logged_metrics())
     return metrics

@@ -1,19 +1,20 @@
 """A step's metrics over its prompt groups and data-parallel ranks; throughput and MFU."""
 
+from typing import Sequence
+
 import torch
 from megatron.core import parallel_state
 
 from megatron_longstraw.distributed import device
-from megatron_longstraw.longstraw.cost_model import (linear_weight_elements, prompt_flops,
-                                                     qwen_response_forward_flops)
+from megatron_longstraw.longstraw.cost_model import prompt_flops, response_forward_flops
 
-# summed over the step's groups and ranks; "*_max" / "*_min" and "*/max" / "*/min" keys take the
-# extreme; everything else is the mean over groups
-SUMMED = ("tokens/response", "loss/sum")
+# summed over the step's groups and ranks, with the loss's own ``summed_metrics``; "*_max" / "*_min"
+# and "*/max" / "*/min" keys take the extreme; everything else is the mean over groups
+SUMMED = ("tokens/response",)
 
 
-def _reduction(key: str) -> str:
-    if key in SUMMED:
+def _reduction(key: str, summed: Sequence[str] = ()) -> str:
+    if key in SUMMED or key in summed:
         return "sum"
     if key.endswith(("/max", "_max")):
         return "max"
@@ -22,9 +23,10 @@ def _reduction(key: str) -> str:
     return "mean"
 
 
-def reduce_step_metrics(groups: list[dict]) -> dict:
+def reduce_step_metrics(groups: list[dict], summed: Sequence[str] = ()) -> dict:
     """Reduce this rank's group metrics over the step and the data-parallel ranks (every rank
-    gets the result). Keys are agreed over the ranks first, so a key some rank lacks is fine."""
+    gets the result); ``summed``: keys summed besides ``SUMMED`` (the loss's ``summed_metrics``).
+    Keys are agreed over the ranks first, so a key some rank lacks is fine."""
     dp_group = parallel_state.get_data_parallel_group()
     keys = sorted(set().union(*groups))
     if torch.distributed.get_world_size(dp_group) > 1:
@@ -46,7 +48,7 @@ def reduce_step_metrics(groups: list[dict]) -> dict:
         count = sums[len(keys) + i].item()
         if count == 0:
             continue
-        how = _reduction(key)
+        how = _reduction(key, summed)
         value = {"sum": sums[i], "max": highs[i], "min": lows[i], "mean": sums[i] / count}[how]
         out[key] = value.item()
     out["reward/zero_std_frac"] = out.pop("reward/zero_std_groups", float("nan"))
@@ -54,9 +56,10 @@ def reduce_step_metrics(groups: list[dict]) -> dict:
 
 
 def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, args) -> dict:
-    """Tokens/s per phase (this rank) and, on a GPU, MFU against ``--peak-tflops`` of capture (both
-    families) and replay (Qwen3.5 family). Under context parallelism a rank's capture MFU counts
-    its share (1/CP) of the prompt's FLOPs."""
+    """Tokens/s per phase (this rank) and, on a GPU, MFU against ``--peak-tflops`` of capture and
+    replay (forward + backward: 3x the forward), each where the model's family has that FLOPs
+    formula. Under context parallelism a rank's capture MFU counts its share (1/CP) of the
+    prompt's FLOPs."""
     prompt_tokens = sum(g["prompt/length"] for g in groups)
     response_tokens = sum(g["tokens/response"] for g in groups)
     out = {}
@@ -71,10 +74,10 @@ def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, a
     per_prompt = [prompt_flops(hf, model, int(g["prompt/length"])) for g in groups]
     if all(f is not None for f in per_prompt):
         flops["capture"] = sum(per_prompt) / parallel_state.get_context_parallel_world_size()
-    if hf["model_type"].startswith("qwen3_5"):
-        linear = linear_weight_elements(model)
-        flops["replay"] = sum(3 * qwen_response_forward_flops(hf, linear, int(g["prompt/length"]),
-                                                              int(g["tokens/response"])) for g in groups)
+    per_response = [response_forward_flops(hf, model, int(g["prompt/length"]), int(g["tokens/response"]))
+                    for g in groups]
+    if all(f is not None for f in per_response):
+        flops["replay"] = sum(3 * f for f in per_response)
     for phase, total in flops.items():
         seconds = phase_times.get(f"time/{phase}_s")
         if seconds:

@@ -12,25 +12,27 @@ from megatron_longstraw.data.tokenizer import build_tokenizer
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
+from megatron_longstraw.models.registry import family_for, register_family
 from megatron_longstraw.rewards.registry import build_reward
 from megatron_longstraw.training.grpo_step import PromptGroup
 
 
 def build_policy(args):
-    """``(hf_config, model, reference or None, tokenizer)``. ``--pretrained-checkpoint`` (a
+    """``(hf_config, model, reference or None, tokenizer)``. ``--model-family`` registers an
+    out-of-tree family first; the family refuses layouts it lacks. ``--pretrained-checkpoint`` (a
     converted Megatron checkpoint) gives the initial weights; the reference is a frozen copy of
     them, kept only when ``--kl-coef`` > 0."""
+    if args.model_family:
+        register_family(args.model_family)
     hf = resolve_hf_config(args.hf_config or args.model)
     if args.max_position_embeddings:
         hf["max_position_embeddings"] = args.max_position_embeddings
-    if hf["model_type"] == "glm_moe_dsa" and args.parallel.context > 1 and args.rollout_source == "internal":
-        raise ValueError(f"--context-parallel-size {args.parallel.context} with a GLM-5 model: decoding "
-                         "(internal rollouts) under context parallelism is not supported yet for MLA + DSA; "
-                         "use --rollout-source jsonl")
+    family = family_for(hf["model_type"])
+    family.check_layout(family.normalize_hf_config(hf), args.parallel, args.rollout_source)
     options = ModelOptions(
         transformer_impl=args.transformer_impl, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe, sequence_parallel=args.sequence_parallel,
-        recompute_granularity=args.recompute_granularity)
+        recompute_granularity=args.recompute_granularity, kernel_options=args.kernels)
     model = build_stage_model(hf, options)  # under virtual pipeline stages: a StageChunks
     if args.pretrained_checkpoint:
         load_model_checkpoint(model, args.pretrained_checkpoint)

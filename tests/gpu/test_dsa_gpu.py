@@ -8,6 +8,7 @@ from megatron_longstraw import patches
 from megatron_longstraw.attention import dsa_blockwise
 from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise
 from megatron_longstraw.attention.index_scores_triton import index_scores, supported
+from megatron_longstraw.attention.kernel_options import KernelOptions, set_kernel_options
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.replay import replay_logits
 from megatron_longstraw.patches.dsa_causal_topk import dsa
@@ -37,7 +38,7 @@ def test_fused_index_scores_match_megatron_bf16(record_property):
     assert error <= 1e-5
 
 
-def test_cuda_blockwise_topk_equals_cpu_selection(monkeypatch):
+def test_cuda_blockwise_topk_equals_cpu_selection():
     """Integer-valued bf16 inputs make every score exact on both paths: the CUDA path (Triton
     scores, packed-int64 top-k) selects exactly what the CPU path (Megatron's scores, the same
     packed selection over other block sizes) selects, ties included."""
@@ -47,8 +48,8 @@ def test_cuda_blockwise_topk_equals_cpu_selection(monkeypatch):
     q, w, pages, own = sample(seq, batch, heads, dim), sample(seq, batch, heads), sample(prefix, 1, dim), \
         sample(seq, batch, dim)
     want = index_topk_blockwise(q.float(), w.float(), [(pages.float(), 0), (own.float(), prefix)], prefix, topk, True)
-    monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", 1000)
-    got = index_topk_blockwise(q.cuda(), w.cuda(), [(pages.cuda(), 0), (own.cuda(), prefix)], prefix, topk, True)
+    got = index_topk_blockwise(q.cuda(), w.cuda(), [(pages.cuda(), 0), (own.cuda(), prefix)], prefix, topk, True,
+                               KernelOptions(dsa_key_block=1000))
     assert torch.equal(got.cpu(), want)
 
 
@@ -75,7 +76,7 @@ def _full_and_replay_errors(hf, model, model32) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
-def test_glm_capture_replay_bf16_matches_full_forward(single_process, monkeypatch, record_property, impl):
+def test_glm_capture_replay_bf16_matches_full_forward(single_process, record_property, impl):
     """GLM-5 tiny in bf16 on CUDA (fused index scores, gathered sparse MLA, small DSA blocks,
     ``DENSE_TOPK``): replay logits after a chunked capture against the bf16 full forward
     (Megatron's dense DSA), both against the fp32 full forward; with the local and the
@@ -84,9 +85,9 @@ def test_glm_capture_replay_bf16_matches_full_forward(single_process, monkeypatc
 
     if impl == "transformer_engine" and not have_transformer_engine():
         pytest.skip("needs Transformer Engine (scripts/gpu_host.sh te-piece, te-build)")
-    monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", 64)
-    full_error, replay_error = _full_and_replay_errors(*bf16_and_fp32_models(
-        "glm-5-debug", transformer_impl=impl, index_topk=DENSE_TOPK))
+    hf, model, model32 = bf16_and_fp32_models("glm-5-debug", transformer_impl=impl, index_topk=DENSE_TOPK)
+    set_kernel_options(model, KernelOptions(dsa_key_block=64))
+    full_error, replay_error = _full_and_replay_errors(hf, model, model32)
     record_property("rel_err_full_replay", f"{full_error:.1e},{replay_error:.1e}")
     assert replay_error <= max(2 * full_error, 2e-2)
 
@@ -157,9 +158,9 @@ def test_glm_capture_with_fused_sparse_mla_matches_full_forward(single_process, 
     accurate as the bf16 full forward."""
     from megatron_longstraw.attention import sparse_mla_triton
 
-    monkeypatch.setattr(dsa_blockwise, "KEY_BLOCK", 64)
     hf, model, model32 = bf16_and_fp32_models("glm-5-debug", kv_lora_rank=32, qk_rope_head_dim=16,
                                               index_topk=DENSE_TOPK)
+    set_kernel_options(model, KernelOptions(dsa_key_block=64))
     calls = []
     forward = sparse_mla_triton.sparse_latent_forward
     monkeypatch.setattr(sparse_mla_triton, "sparse_latent_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
@@ -169,10 +170,10 @@ def test_glm_capture_with_fused_sparse_mla_matches_full_forward(single_process, 
     assert replay_error <= max(2 * full_error, 2e-2)
 
 
-def test_float_and_packed_topk_keys_select_the_same_and_time(monkeypatch, record_property):
+def test_float_and_packed_topk_keys_select_the_same_and_time(record_property):
     """GLM-5's indexer shape, 4,096 queries after 126K keys, top-2,048: the running top-k with
     every score packed (int64 keys) and with the block's fp32 top-k first select the same keys;
-    both are timed (reported, not asserted: ``LONGSTRAW_DSA_TOPK`` picks one for long runs)."""
+    both are timed (reported, not asserted: ``--dsa-topk`` picks one for long runs)."""
     gen = torch.Generator(device="cuda").manual_seed(4)
     prefix, seq, heads, dim = 126_976, 4096, 32, 128
     q = torch.randn(seq, 1, heads, dim, device="cuda", generator=gen).bfloat16()
@@ -181,8 +182,8 @@ def test_float_and_packed_topk_keys_select_the_same_and_time(monkeypatch, record
     own = torch.randn(seq, 1, dim, device="cuda", generator=gen).bfloat16()
     picks, seconds = {}, {}
     for keys in ("packed", "float"):
-        monkeypatch.setattr(dsa_blockwise, "TOPK_KEYS", keys)
+        options = KernelOptions(dsa_topk=keys)
         picks[keys], seconds[keys] = _timed(
-            lambda: index_topk_blockwise(q, w, [(pages, 0), (own, prefix)], prefix, 2048, True))
+            lambda: index_topk_blockwise(q, w, [(pages, 0), (own, prefix)], prefix, 2048, True, options))
     record_property("seconds_packed_float", f"{seconds['packed']:.4f},{seconds['float']:.4f}")
     assert torch.equal(picks["packed"], picks["float"])

@@ -1,8 +1,11 @@
 """GPU tier: fused prefix attention against the math reference; capture/replay in bf16 with fla."""
 
+import functools
+
 import pytest
 import torch
 
+from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
 from megatron_longstraw.attention.prefix_attention_cuda import prefix_causal_attention_cuda
 from megatron_longstraw.longstraw.capture import capture_prompt
@@ -32,12 +35,10 @@ def _rel_or_scaled(a, b, scale):
 @pytest.mark.parametrize("dim,batch,prefix,block,seq", [(256, 1, 300, 262144, 70), (128, 3, 517, 262144, 70),
                                                         (256, 2, 0, 262144, 70), (256, 2, 517, 128, 70),
                                                         (256, 1, 300, 262144, 1), (256, 2, 0, 262144, 1)])
-def test_fused_prefix_attention_matches_math(monkeypatch, backend, dim, batch, prefix, block, seq,
-                                             record_property):
+def test_fused_prefix_attention_matches_math(backend, dim, batch, prefix, block, seq, record_property):
     """Forward and gradients of the fused kernels against the math reference; ``seq=1`` is a
     one-token response (cuDNN's backward rejects one query over one key: flash takes that part)."""
-    monkeypatch.setenv("LONGSTRAW_ATTENTION_BACKEND", backend)
-    monkeypatch.setenv("LONGSTRAW_PREFIX_BLOCK", str(block))
+    options = KernelOptions(attention_backend=backend, prefix_block=block)
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads, groups = 8, 2
     q = torch.randn(seq, batch, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16, requires_grad=True)
@@ -47,7 +48,7 @@ def test_fused_prefix_attention_matches_math(monkeypatch, backend, dim, batch, p
               for _ in range(2))
     grad = torch.randn(seq, batch, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
     results = []
-    for fn in (prefix_causal_attention_cuda, prefix_causal_attention_math):
+    for fn in (functools.partial(prefix_causal_attention_cuda, options=options), prefix_causal_attention_math):
         out = fn(q, k, v, pk, pv)
         (dq, dk, dv) = torch.autograd.grad(out, (q, k, v), grad)
         results.append((out, dq, dk, dv))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_longstraw.attention.decode_attention import decode_attention
+from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.models.options import ModelOptions
@@ -23,16 +24,13 @@ def _rel_norm(a, b):
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
 @pytest.mark.parametrize("dim,batch,prompt,own,seq,block", [(256, 8, 3000, 37, 1, 262144), (128, 3, 517, 5, 2, 128)])
-def test_decode_attention_fused_matches_math(monkeypatch, backend, dim, batch, prompt, own, seq, block,
-                                             record_property):
-    monkeypatch.setenv("LONGSTRAW_ATTENTION_BACKEND", backend)
-    monkeypatch.setenv("LONGSTRAW_PREFIX_BLOCK", str(block))
+def test_decode_attention_fused_matches_math(backend, dim, batch, prompt, own, seq, block, record_property):
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads, groups = 8, 2
     rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)  # noqa: E731
     q, k, v = rand(seq, batch, heads, dim), rand(own, batch, groups, dim), rand(own, batch, groups, dim)
     pk, pv = rand(prompt, 1, groups, dim), rand(prompt, 1, groups, dim)
-    got = decode_attention(q, k, v, pk, pv)
+    got = decode_attention(q, k, v, pk, pv, options=KernelOptions(attention_backend=backend, prefix_block=block))
     ref_pk = torch.cat([pk.expand(-1, batch, -1, -1), k[: own - seq]]).double()
     ref_pv = torch.cat([pv.expand(-1, batch, -1, -1), v[: own - seq]]).double()
     want = prefix_causal_attention_math(q.double(), k[own - seq:].double(), v[own - seq:].double(), ref_pk, ref_pv)

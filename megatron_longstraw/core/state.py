@@ -4,11 +4,11 @@ Each layer kind's container lives with the layer that owns it (``attention/sdpa_
 K/V pages; ``models/gated_delta_net.py``: recurrent state and conv tail; the GLM-5 layers: MLA
 latent and DSA indexer keys). Every container knows its tensors, size in bytes and device, and
 can be freed or moved (room for CPU offload with layer-wise staging). Under TP a rank holds its
-own heads only; under CP a rank holds its own shard of the pages (``context_parallel.py``).
+own heads only; under CP a rank holds its own shard of the pages (``core/collectives.py``).
 """
 
 from dataclasses import dataclass, field, fields
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Protocol
 
 import torch
 
@@ -53,6 +53,17 @@ class LayerState:
         for name, tensor in self.tensors().items():
             setattr(self, name, tensor.index_select(self.sample_dim, index_B.to(tensor.device)))
         return self
+
+
+class StateSet(Protocol):
+    """What ``bind`` takes: the states of every stateful layer by module name, and the signature
+    of the model that made them (a ``PromptState`` or a ``decode_state.DecodeState``)."""
+
+    layers: dict[str, LayerState]
+
+    @property
+    def model_signature(self) -> str:
+        """``binding.model_signature`` of the model that made the states."""
 
 
 @dataclass

@@ -1,4 +1,7 @@
-"""Context parallelism (CP) for LongStraw: the prompt state sharded over the CP group.
+"""Context parallelism (CP) for LongStraw: the prompt state sharded over the CP group, and the
+low-level collectives every CP path uses (``context_parallel_group``, ``shard_plan``,
+``all_gather_rows``, ``broadcast_from_last``). The capture loop itself is
+``longstraw/capture.py``; with CP=1 it runs the trivial shard plan of this layout.
 
 Layout ("pages stay, queries travel"). The prompt is cut into global chunks of
 ``--prompt-chunk-size`` tokens (a last chunk shorter than the CP size is folded into the one
@@ -24,7 +27,8 @@ Per layer kind:
   over itself is computed on every rank. Backward all-reduces the queries' gradient from the
   prompt parts, so every CP rank ends with exactly the CP=1 gradient (see below). Decode
   (``attention/decode_attention.py``): every CP rank decodes the same G samples; a new token's
-  query attends over this rank's pages, the partials merge with ``cp_merge``, and the samples' own
+  query attends over this rank's pages, the partials merge with ``merge_partials_over_group``
+  (``attention/partials.py``), and the samples' own
   generated keys (replicated, per sample, on every rank) are merged in locally after that global
   merge, so they count once. The prompt pages stay shared by the samples, never copied.
 - Gated DeltaNet (``models/gated_delta_net.py``). The delta rule is linear in the state:
@@ -65,8 +69,6 @@ merging over its CP group.
 Not yet under CP: prompt batches larger than one, GLM-5 decoding, and the full-graph baseline
 (``Mode.REFERENCE``); each raises ``ValueError``.
 """
-
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -122,75 +124,3 @@ def broadcast_from_last(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     dist.broadcast(x, src=dist.get_global_rank(group, dist.get_world_size(group) - 1), group=group)
     return x
-
-
-def check_context_parallel_support(model) -> None:
-    """``ValueError`` naming the first stateful layer kind that cannot shard its prompt state."""
-    from megatron_longstraw.longstraw.binding import stateful_modules
-
-    cp = parallel_state.get_context_parallel_world_size()
-    for name, module in stateful_modules(model).items():
-        if not getattr(module, "supports_context_parallel", False):
-            raise ValueError(
-                f"--context-parallel-size {cp}: layer kind {type(module).__name__} ({name}) cannot "
-                "shard its prompt state over the CP group yet; CP capture/replay supports full "
-                "attention (SDPACoreAttention), Gated DeltaNet (Qwen3.5) and MLA + DSA (GLM-5)")
-
-
-@torch.no_grad()
-def capture_prompt_cp(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
-                      progress: Optional[Callable[[int], object]] = None):
-    """``capture_prompt`` over the CP group: this rank captures its shard of every chunk.
-
-    Call on every CP rank with the same ``prompt_ids_BS`` (batch 1). The returned state holds
-    this rank's pages, the (replicated) Gated DeltaNet state after the whole prompt, and the last
-    prompt position's hidden state and logits (broadcast from the last CP rank). Under pipeline
-    parallelism too, each stage's shard passes to the next stage of the same CP rank
-    (``pipeline.run_stages``); the last position's hidden state and logits are on the last stage.
-    """
-    from megatron_longstraw.longstraw.binding import Mode, bind, model_signature, stateful_modules
-    from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
-    from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, output_logits, sequence_parallel
-    from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
-    from megatron_longstraw.longstraw.state import PromptState
-    from megatron_longstraw.models.pipeline_stage import last_chunk
-
-    group = context_parallel_group()
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_context_parallel_support(model)
-    if sequence_parallel(model):  # its padded sequence shards are not handled by the CP paths
-        raise ValueError(f"--sequence-parallel with --context-parallel-size {cp} > 1 is not supported "
-                         "by LongStraw capture/replay yet")
-    batch, length = prompt_ids_BS.shape
-    if batch != 1:
-        raise ValueError(f"--context-parallel-size {cp}: capture needs a prompt batch of 1, got {batch}")
-    check_pipeline(model)
-    last_stage = parallel_state.is_pipeline_last_stage()
-    plan = shard_plan(length, chunk_size, cp)
-    local_length = sum(sizes[rank] for _, sizes in plan)
-    state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
-    page_positions_P = torch.cat([torch.arange(start + sum(sizes[:rank]), start + sum(sizes[:rank + 1]),
-                                               device=prompt_ids_BS.device) for start, sizes in plan])
-    for name, module in stateful_modules(model).items():
-        state.layers[name] = module.new_prompt_state(local_length, batch, prompt_ids_BS.device)
-        if hasattr(state.layers[name], "positions_P"):  # layers whose attention needs positions (DSA)
-            state.layers[name].positions_P = page_positions_P
-    final_norm = FinalNormInput(last_chunk(model)) if last_stage else None
-    lockstep = ExpertLockstep(model)  # EP over data-parallel ranks: their prompts differ in length
-    try:
-        for chunk_start, sizes in plan:
-            start = chunk_start + sum(sizes[:rank])
-            ids = prompt_ids_BS[:, start:start + sizes[rank]]
-            lockstep.busy()
-            with bind(model, Mode.CAPTURE, state, position_offset=start, shard_sizes=sizes):
-                hidden_SBH = run_stages(model, ids, start, lambda part, h: decode(part, h, start))
-            if progress is not None:
-                progress(sum(sizes))
-        lockstep.finish()
-    finally:
-        if final_norm is not None:
-            final_norm.remove()
-    if last_stage:
-        state.last_hidden_1BH = broadcast_from_last(final_norm.last_row_1BH(hidden_SBH.shape[0]), group)
-        state.last_logits_BV = broadcast_from_last(output_logits(last_chunk(model), hidden_SBH[-1:])[0], group)
-    return state

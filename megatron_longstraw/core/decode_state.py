@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_longstraw.longstraw.binding import check_state_matches, stateful_modules
-from megatron_longstraw.longstraw.state import LayerState, PromptState
+from megatron_longstraw.core.binding import check_state_matches, stateful_modules
+from megatron_longstraw.core.state import LayerState, PromptState
 
 
 @dataclass

@@ -10,14 +10,11 @@ import contextlib
 import enum
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional
 
 import torch
 
-from megatron_longstraw.longstraw.state import LayerState, PromptState
-
-if TYPE_CHECKING:
-    from megatron_longstraw.longstraw.decode_state import DecodeState
+from megatron_longstraw.core.state import LayerState, StateSet
 
 
 class Mode(enum.Enum):
@@ -40,7 +37,7 @@ class Binding:
     position_offset: int = 0      # position of this forward's first token
     prefix_length: int = 0        # REFERENCE: prompt tokens at the start of the sequence
     shard_sizes: Optional[tuple[int, ...]] = None  # CAPTURE under CP: this chunk's tokens per CP
-    # rank (rank r feeds shard r); None without context parallelism (``context_parallel.py``)
+    # rank (rank r feeds shard r); None without context parallelism (``core/collectives.py``)
     valid_length: Optional[int] = None  # CAPTURE / DECODE: the real tokens; under sequence
     # parallelism the layers see them padded to a multiple of TP, and keep state of the first rows
 
@@ -49,7 +46,7 @@ class StatefulModule:
     """Mixin for modules that keep prompt state; ``longstraw`` is ``None`` unless bound.
 
     ``supports_context_parallel``: the layer can capture/replay with its prompt state sharded
-    over the CP group (``longstraw/context_parallel.py``).
+    over the CP group (``core/collectives.py``).
     """
 
     longstraw: Optional[Binding] = None
@@ -79,7 +76,7 @@ def model_signature(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def check_state_matches(model, state: Union[PromptState, "DecodeState"], modules=None) -> None:
+def check_state_matches(model, state: StateSet, modules=None) -> None:
     """``ValueError`` unless ``state`` was made by ``model`` (same signature, every stateful layer)."""
     if state.model_signature != model_signature(model):
         raise ValueError("prompt state was captured with a different model "
@@ -91,7 +88,7 @@ def check_state_matches(model, state: Union[PromptState, "DecodeState"], modules
 
 
 @contextlib.contextmanager
-def bind(model, mode: Mode, state: Union[PromptState, "DecodeState", None] = None, *,
+def bind(model, mode: Mode, state: Optional[StateSet] = None, *,
          position_offset: int = 0, prefix_length: int = 0,
          shard_sizes: Optional[tuple[int, ...]] = None, valid_length: Optional[int] = None):
     """Bind every stateful module of ``model`` for the block; restores the previous binding on exit.

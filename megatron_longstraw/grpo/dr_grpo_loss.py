@@ -1,0 +1,36 @@
+"""The ``dr_grpo`` policy loss (Dr. GRPO, "Understanding R1-Zero-Like Training", arXiv 2503.20783):
+GRPO's per-token terms without its two normalizations.
+
+- no length normalization: each token's term is summed, and the sum divided by a *constant*
+  normalizer, ``--max-response-length`` times the responses of the global batch (the paper's
+  constant). On a rank the normalizer is ``--max-response-length`` x this rank's responses of the
+  step; DDP's average over the data-parallel ranks makes it the global count, so no rescale is
+  needed at the end of the step.
+- no std normalization of advantages: reward - group mean. ``--advantage-normalization``
+  defaults to ``none`` under this loss and ``group-std`` is refused (``validate_args``), as is
+  ``--loss-aggregation sequence``.
+
+The clipped surrogate, k3 KL and entropy terms are GRPO's (``grpo/policy_loss.py``).
+"""
+
+from megatron_longstraw.grpo.policy_loss import GRPOLoss
+
+
+class DrGRPOLoss(GRPOLoss):
+    """``--loss-type dr_grpo``: ``GRPOLoss`` with ``token`` aggregation over the constant
+    normalizer ``--max-response-length`` x responses (module doc)."""
+
+    name = "dr_grpo"
+    aggregations = ("token",)
+    advantage_normalizations = ("none",)
+
+    @classmethod
+    def group_normalizer(cls, args, num_responses: int, groups_per_rank: int) -> float:
+        """``--max-response-length`` x this rank's responses of the step."""
+        return float(args.max_response_length) * num_responses * groups_per_rank
+
+    @classmethod
+    def finish_step(cls, metrics: dict, args) -> float:
+        """``loss/total`` = ``loss/sum / dp_size`` (DDP's average); the gradients stay as they are."""
+        metrics["loss/total"] = metrics.pop("loss/sum") / args.data_parallel_size
+        return 1.0

@@ -1,0 +1,259 @@
+"""The policy-loss protocol every registered loss (``grpo/registry.py``) implements, and what the
+losses share: the group's stored log-probs laid out like a micro-batch, the KL and entropy terms,
+metric sums.
+
+A loss owns, for the trainer:
+
+- ``validate_args(args)``: the flags it reads, checked once at start-up (and its defaults of
+  ``--loss-aggregation`` / ``--advantage-normalization`` filled in);
+- ``for_group(args, ...)``: the loss function of one prompt group, its normalizer fixed for the
+  whole global batch;
+- ``__call__``: the loss of one replay micro-batch (``longstraw/micro_batches.py``'s ``LossFn``):
+  a sum of per-sample terms over the normalizer, so that micro-batches and groups add up;
+- ``logged_metrics()``: its metrics under their logged names, and ``summed_metrics``, the logged
+  keys summed (not averaged) over the step's groups and ranks;
+- ``finish_step(metrics, args)``: after the step's groups, ``loss/total`` from ``loss/sum`` and the
+  factor the accumulated gradients are scaled by before the data-parallel average (a normalizer
+  only known once every group is done, such as the global token count).
+
+Tensors are ``[R, B]`` (response position, sample). A micro-batch always holds whole responses.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence
+
+import torch
+
+from megatron_longstraw.grpo.advantages import NORMALIZATIONS
+from megatron_longstraw.grpo.loss_terms import kl_k3, masked
+
+
+def _check_coef(flag: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
+
+
+def check_shared_flags(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0,
+                       entropy_coef: float = 0.0) -> None:
+    """Raise ``ValueError`` naming the flag for an invalid clip range or KL / entropy coefficient."""
+    if not 0 <= clip_eps_low < 1:
+        raise ValueError(f"--clip-eps-low must be in [0, 1), got {clip_eps_low}")
+    if not clip_eps_high >= 0:
+        raise ValueError(f"--clip-eps-high must be >= 0, got {clip_eps_high}")
+    _check_coef("--kl-coef", kl_coef)
+    _check_coef("--entropy-coef", entropy_coef)
+
+
+def _resolve_choice(args, attr: str, allowed: Sequence[str], loss_type: str) -> None:
+    """Fill ``args.<attr>`` with the loss's default (``allowed[0]``) or check it is allowed."""
+    value = getattr(args, attr)
+    if value is None:
+        setattr(args, attr, allowed[0])
+    elif value not in allowed:
+        flag = "--" + attr.replace("_", "-")
+        raise ValueError(f"--loss-type {loss_type} takes {flag} {' or '.join(allowed)}, got {value!r}")
+
+
+@dataclass
+class ReplayBatch:
+    """One replay micro-batch with the group's stored tensors laid out like it."""
+
+    logprobs_RB: torch.Tensor
+    """log-probs under the policy being trained (autograd); padding replaced by the old ones"""
+    old_logprobs_RB: torch.Tensor
+    """log-probs of the policy that sampled (detached; 0 on padding)"""
+    real_RB: torch.Tensor
+    """bool: real response tokens"""
+    advantages_B: torch.Tensor
+    """each sample's advantage, in the log-probs' dtype"""
+    ref_kl_RB: Optional[torch.Tensor]
+    """k3 of KL(pi || ref) per token (autograd), with reference log-probs only"""
+    entropy_RB: Optional[torch.Tensor]
+    """the policy's entropy per token, when the replay provides it"""
+
+
+class PolicyLoss:
+    """Base of the policy losses: ``loss_fn(logprobs_RB, mask_RB, indices, entropy_RB=None)`` for
+    one prompt group's replay, plus the start-up and end-of-step hooks (module doc).
+
+    ``old_logprobs``/``ref_logprobs`` hold one 1-D tensor per group sample (its response length);
+    ``advantages_G`` one advantage per sample. ``kl_coef`` weighs k3(pi, ref) and ``entropy_coef``
+    the entropy bonus, per token (``regularized``). Subclasses implement ``loss`` and the hooks.
+    """
+
+    name: ClassVar[str] = ""
+    # --loss-aggregation / --advantage-normalization values the loss takes; the first is its default
+    aggregations: ClassVar[tuple[str, ...]] = ("token",)
+    advantage_normalizations: ClassVar[tuple[str, ...]] = NORMALIZATIONS
+    # logged metric keys summed over the step's groups and data-parallel ranks
+    summed_metrics: ClassVar[tuple[str, ...]] = ("loss/sum",)
+    # metrics() name -> logged name
+    metric_names: ClassVar[dict[str, str]] = {
+        "policy_loss": "loss/policy", "clip_frac_low": "clip/frac_low", "clip_frac_high": "clip/frac_high",
+        "approx_kl": "kl/approx", "ref_kl": "kl/reference", "entropy": "entropy/mean",
+        "ratio_mean": "ratio/mean", "ratio_max": "ratio/max"}
+    # metrics() names averaged over sequences rather than tokens
+    per_sequence_metrics: ClassVar[tuple[str, ...]] = ()
+    # replay hands every call the per-token entropies (``model_steps.loss_of``): they are logged
+    # even when ``entropy_coef`` is 0
+    needs_entropy = True
+
+    def __init__(self, old_logprobs: Sequence[torch.Tensor], advantages_G: torch.Tensor, *,
+                 normalizer: float, ref_logprobs: Optional[Sequence[torch.Tensor]] = None,
+                 clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, kl_coef: float = 0.0,
+                 entropy_coef: float = 0.0):
+        check_shared_flags(clip_eps_low, clip_eps_high, kl_coef, entropy_coef)
+        if not normalizer > 0:
+            raise ValueError(f"loss normalizer must be > 0, got {normalizer}")
+        if advantages_G.dim() != 1 or advantages_G.numel() != len(old_logprobs):
+            raise ValueError(f"{advantages_G.numel()} advantages for {len(old_logprobs)} samples' "
+                             "old log-probs")
+        if any(t.dim() != 1 or t.numel() == 0 for t in old_logprobs):
+            raise ValueError("old log-probs must be one non-empty 1-D tensor per sample")
+        if ref_logprobs is not None and [t.shape for t in ref_logprobs] != [t.shape for t in old_logprobs]:
+            raise ValueError("reference log-probs must match the old log-probs sample by sample")
+        if kl_coef > 0 and ref_logprobs is None:
+            raise ValueError(f"--kl-coef {kl_coef} needs reference log-probs (ref_logprobs)")
+        self.old_logprobs, self.ref_logprobs = list(old_logprobs), ref_logprobs
+        self.advantages_G = advantages_G.detach()
+        self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
+        self.kl_coef, self.entropy_coef = kl_coef, entropy_coef
+        self.normalizer = normalizer
+        self._sums: dict[str, torch.Tensor] = {}
+
+    # ---- start-up and step hooks ------------------------------------------------------------
+
+    @classmethod
+    def validate_args(cls, args) -> None:
+        """Check the flags the loss reads (once, at start-up) and fill its defaults of
+        ``--loss-aggregation`` and ``--advantage-normalization``; ``ValueError`` names the flag."""
+        _resolve_choice(args, "loss_aggregation", cls.aggregations, cls.name)
+        _resolve_choice(args, "advantage_normalization", cls.advantage_normalizations, cls.name)
+        check_shared_flags(args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef)
+
+    @classmethod
+    def for_group(cls, args, old_logprobs: Sequence[torch.Tensor], advantages_G: torch.Tensor, *,
+                  ref_logprobs: Optional[Sequence[torch.Tensor]], groups_per_rank: int) -> "PolicyLoss":
+        """The loss function of one prompt group of ``groups_per_rank`` on this rank's share of
+        the step, from the flags and what the group provides."""
+        raise NotImplementedError
+
+    @classmethod
+    def finish_step(cls, metrics: dict, args) -> float:
+        """After the step's groups (``metrics`` reduced over groups and ranks): replace
+        ``loss/sum`` by ``loss/total`` and return the factor for the accumulated gradients."""
+        raise NotImplementedError
+
+    @classmethod
+    def shared_options(cls, args) -> dict:
+        """Constructor keywords every loss takes from the flags."""
+        return dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef,
+                    entropy_coef=args.entropy_coef)
+
+    # ---- the loss -----------------------------------------------------------------------------
+
+    def loss(self, batch: ReplayBatch) -> torch.Tensor:
+        """Scalar loss of one micro-batch (over the normalizer); adds the loss's own metrics."""
+        raise NotImplementedError
+
+    def _pad(self, per_sample, indices, lengths, like_RB: torch.Tensor) -> torch.Tensor:
+        out_RB = torch.zeros_like(like_RB, requires_grad=False)
+        for b, (i, length) in enumerate(zip(indices, lengths)):
+            if per_sample[i].numel() != length:
+                raise ValueError(f"sample {i}: {per_sample[i].numel()} stored log-probs but "
+                                 f"{length} real tokens in the micro-batch")
+            out_RB[:length, b] = per_sample[i].detach().to(out_RB)
+        return out_RB
+
+    def __call__(self, logprobs_RB: torch.Tensor, mask_RB: torch.Tensor, indices: Sequence[int],
+                 entropy_RB: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Scalar loss of the micro-batch of group samples ``indices``; accumulates metrics."""
+        if self.entropy_coef != 0 and entropy_RB is None:
+            raise ValueError(f"--entropy-coef {self.entropy_coef} needs the per-token entropy (entropy_RB)")
+        assert logprobs_RB.shape == mask_RB.shape and mask_RB.shape[1] == len(indices)
+        real_RB = mask_RB > 0
+        lengths = real_RB.sum(0).tolist()
+        old_RB = self._pad(self.old_logprobs, indices, lengths, logprobs_RB)
+        # padding: new := old, so ratio 1 and k3 0 there, with no inf/NaN to reach the gradient
+        logprobs_RB = torch.where(real_RB, logprobs_RB, old_RB)
+        advantages_B = self.advantages_G.to(logprobs_RB.device)[list(indices)].to(logprobs_RB.dtype)
+        ref_kl_RB = None
+        if self.ref_logprobs is not None:
+            ref_kl_RB = kl_k3(logprobs_RB, self._pad(self.ref_logprobs, indices, lengths, logprobs_RB))
+        batch = ReplayBatch(logprobs_RB, old_RB, real_RB, advantages_B, ref_kl_RB, entropy_RB)
+        loss = self.loss(batch)
+        with torch.no_grad():
+            self._accumulate_shared(batch)
+        return loss
+
+    def regularized(self, per_token_RB: torch.Tensor, batch: ReplayBatch) -> torch.Tensor:
+        """``per_token_RB`` + ``kl_coef`` * k3(pi, ref) - ``entropy_coef`` * entropy, per token."""
+        if self.kl_coef:
+            per_token_RB = per_token_RB + self.kl_coef * batch.ref_kl_RB
+        if self.entropy_coef:
+            per_token_RB = per_token_RB - self.entropy_coef * batch.entropy_RB
+        return per_token_RB
+
+    # ---- metrics ------------------------------------------------------------------------------
+
+    def _add(self, name: str, total: torch.Tensor) -> None:
+        total = total.detach().float()
+        self._sums[name] = self._sums[name] + total if name in self._sums else total
+
+    def add_token_metric(self, name: str, value_RB: torch.Tensor, real_RB: torch.Tensor) -> None:
+        """Add ``value_RB``'s sum over real tokens to metric ``name`` (a per-token mean)."""
+        self._add(name, masked(value_RB.detach().float(), real_RB).sum())
+
+    def add_sequence_metric(self, name: str, value_B: torch.Tensor) -> None:
+        """Add ``value_B``'s sum to metric ``name`` (listed in ``per_sequence_metrics``)."""
+        assert name in self.per_sequence_metrics, name
+        self._add(name, value_B.detach().float().sum())
+
+    def add_max_metric(self, name: str, value: torch.Tensor) -> None:
+        """Keep the largest ``value`` seen as metric ``name`` (ending in ``_max``)."""
+        assert name.endswith("_max"), name
+        value = value.detach().float()
+        self._sums[name] = torch.maximum(self._sums.get(name, value), value)
+
+    def _accumulate_shared(self, batch: ReplayBatch) -> None:
+        real_RB = batch.real_RB
+        log_ratio_RB = batch.logprobs_RB.detach() - batch.old_logprobs_RB
+        ratio_RB = log_ratio_RB.exp()
+        self.add_token_metric("tokens", real_RB, real_RB)
+        self._add("sequences", torch.tensor(float(real_RB.shape[1])))
+        self.add_token_metric("approx_kl", ratio_RB - 1 - log_ratio_RB, real_RB)  # k3 of KL(old || new)
+        self.add_token_metric("ratio_mean", ratio_RB, real_RB)
+        self.add_max_metric("ratio_max", torch.where(real_RB, ratio_RB, float("-inf")).max())
+        if batch.ref_kl_RB is not None:
+            self.add_token_metric("ref_kl", batch.ref_kl_RB, real_RB)
+        if batch.entropy_RB is not None:
+            self.add_token_metric("entropy_tokens", real_RB, real_RB)
+            self.add_token_metric("entropy", batch.entropy_RB, real_RB)
+
+    def metrics(self) -> dict[str, float]:
+        """Means over all calls so far, per real token unless listed in ``per_sequence_metrics``
+        (per sequence): ``policy_loss`` (the policy term only), ``clip_frac_low``/``_high``,
+        ``approx_kl`` (k3 of old vs new policy), ``ref_kl`` (k3 to the reference; with
+        ``ref_logprobs`` only), ``entropy`` (when given), ``ratio_mean`` and the loss's own; the
+        ``*_max`` metrics (``ratio_max``) are maxima; plus ``tokens`` (the weight for combining
+        groups). Empty before a call."""
+        if not self._sums:
+            return {}
+        sums = {name: value.item() for name, value in self._sums.items()}
+        tokens, sequences = sums.pop("tokens"), sums.pop("sequences")
+        entropy_tokens = sums.pop("entropy_tokens", 0.0)
+        out = {}
+        for name, value in sums.items():
+            if name.endswith("_max"):
+                out[name] = value
+            elif name in self.per_sequence_metrics:
+                out[name] = value / sequences
+            else:
+                out[name] = value / (entropy_tokens if name == "entropy" else tokens)
+        out["tokens"] = tokens
+        return out
+
+    def logged_metrics(self) -> dict[str, float]:
+        """``metrics()`` under the logged names of ``metric_names`` (the rest stay internal)."""
+        return {self.metric_names[k]: v for k, v in self.metrics().items() if k in self.metric_names}

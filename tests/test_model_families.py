@@ -1,0 +1,206 @@
+"""Family knowledge behind the family API, and families from outside the package
+(``register_family`` / ``--model-family``: a dotted module path or a ``.py`` file)."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from megatron_longstraw.longstraw.cost_model import prompt_flops, response_forward_flops
+from megatron_longstraw.models.presets import PRESETS, resolve_hf_config
+from megatron_longstraw.models.registry import (FAMILY_API, FAMILY_MODULES, family_for, register_family,
+                                                supported_model_types, unregister_family)
+
+TOY_TYPE = "toy_longstraw"
+_QWEN_API = [name for name in FAMILY_API if name != "MODEL_TYPES"]
+
+
+def _family_source(names=_QWEN_API, model_types=(TOY_TYPE,)) -> str:
+    """A family module reusing the Qwen3.5 family's functions ``names`` under ``model_types``."""
+    return ('"""A toy family: the Qwen3.5 family under its own model_type."""\n\n'
+            f"from megatron_longstraw.models.qwen3_5 import {', '.join(names)}  # noqa: F401\n\n"
+            f"MODEL_TYPES = {tuple(model_types)!r}\n")
+
+
+def _toy_config(folder) -> str:
+    """A tiny ``config.json`` of the toy family (the sizes of ``qwen3.5-debug``) in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dict(PRESETS["qwen3.5-debug"], model_type=TOY_TYPE)))
+    return str(folder)
+
+
+@pytest.fixture
+def clean_registry():
+    """Whatever a test registers is gone afterwards (no family leaks into other tests)."""
+    yield
+    for model_type in sorted(set(supported_model_types()) - set(FAMILY_MODULES)):
+        unregister_family(family_for(model_type))
+    assert supported_model_types() == sorted(FAMILY_MODULES)
+
+
+def test_family_from_a_file_outside_the_package_builds_and_matches_hf(tmp_path, single_process, clean_registry):
+    """A toy family file in ``tmp_path`` registers its model_type; a config of that type builds
+    through the family, its forward equals the HF reference the family names, and the cost
+    model asks the family for its FLOPs."""
+    from megatron_longstraw.testing.hf_reference import build_hf_model
+    from megatron_longstraw.testing.parity import forward_logits, megatron_from_hf
+
+    path = tmp_path / "toy_family.py"
+    path.write_text(_family_source())
+    assert TOY_TYPE not in supported_model_types()
+    module = register_family(str(path))
+    assert family_for(TOY_TYPE) is module and module.__file__ == str(path.resolve())
+    assert register_family(str(path)) is module  # registering again changes nothing
+    hf = resolve_hf_config(_toy_config(tmp_path / "toy"))
+    assert hf["model_type"] == TOY_TYPE
+    hf_model = build_hf_model(hf, seed=3)
+    model = megatron_from_hf(hf, hf_model)
+    assert model.hf_config["model_type"] == TOY_TYPE
+    tokens_BS = torch.randint(0, hf["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits_BSV = forward_logits(model, tokens_BS)
+        want_BSV = hf_model(tokens_BS).logits
+    assert logits_BSV.shape == (2, 11, hf["vocab_size"])
+    assert (logits_BSV - want_BSV).abs().max().item() <= 1e-5
+    qwen = resolve_hf_config("qwen3.5-debug")
+    assert prompt_flops(hf, model, 100) == prompt_flops(qwen, model, 100) > 0
+    assert response_forward_flops(hf, model, 100, 7) == response_forward_flops(qwen, model, 100, 7) > 0
+
+
+def test_family_as_a_module_through_the_trainer_flag(tmp_path, monkeypatch, single_process, clean_registry):
+    """``--model-family MODULE`` (importable from ``sys.path``) registers the family before
+    ``--model`` resolves, so the trainer builds a model of a type the package does not know."""
+    from megatron_longstraw.testing.parity import forward_logits
+    from megatron_longstraw.training.arguments import parse_args
+    from megatron_longstraw.training.setup import build_policy
+
+    (tmp_path / "toy_family_module.py").write_text(_family_source())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "toy_family_module", raising=False)
+    args = parse_args(["--model-family", "toy_family_module", "--model", _toy_config(tmp_path / "toy")])
+    assert TOY_TYPE not in supported_model_types()  # validating the flag registers nothing
+    hf, model, reference, _ = build_policy(args)
+    assert family_for(TOY_TYPE).__name__ == "toy_family_module"
+    assert hf["model_type"] == TOY_TYPE and reference is None
+    with torch.no_grad():
+        logits_BSV = forward_logits(model, torch.arange(5).unsqueeze(0))
+    assert logits_BSV.shape == (1, 5, hf["vocab_size"]) and torch.isfinite(logits_BSV).all()
+
+
+def test_family_missing_api_functions_is_refused(tmp_path, clean_registry):
+    """A family lacking FAMILY_API functions is refused with one line naming them, by the
+    library function and by the trainer flag; nothing is registered."""
+    from megatron_longstraw.training.arguments import parse_args
+
+    path = tmp_path / "partial_family.py"
+    path.write_text(_family_source([n for n in _QWEN_API if n not in ("prompt_flops", "hf_reference")]))
+    with pytest.raises(ValueError) as err:
+        register_family(str(path))
+    assert str(err.value) == (f"model family {path}: lacks prompt_flops, hf_reference (the functions of "
+                              "FAMILY_API in megatron_longstraw/models/registry.py)")
+    assert TOY_TYPE not in supported_model_types()
+    with pytest.raises(ValueError, match=r"^--model-family: model family .*partial_family.py: lacks prompt_flops, "
+                                         r"hf_reference \(") as err:
+        parse_args(["--model-family", str(path)])
+    assert "\n" not in str(err.value)
+
+
+def test_missing_file_unimportable_module_and_taken_model_type_are_refused(tmp_path, clean_registry):
+    missing = tmp_path / "no_such_family.py"
+    with pytest.raises(ValueError, match=rf"^model family file {missing}: no such file$"):
+        register_family(str(missing))
+    with pytest.raises(ValueError, match=r"^model family module no_such_family_module_xyz: cannot be imported "
+                                         r"\(No module named 'no_such_family_module_xyz'\)$"):
+        register_family("no_such_family_module_xyz")
+    path = tmp_path / "clashing_family.py"
+    path.write_text(_family_source(model_types=("qwen3_5_text",)))
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_5_text' already has the family "
+                                         r"megatron_longstraw.models.qwen3_5$"):
+        register_family(str(path))
+    assert family_for("qwen3_5_text").__name__ == "megatron_longstraw.models.qwen3_5"
+    assert register_family("megatron_longstraw.models.glm5") is family_for("glm_moe_dsa")  # built in: no-op
+    first = tmp_path / "first" / "family.py"
+    first.parent.mkdir()
+    first.write_text(_family_source())
+    register_family(str(first))
+    second = tmp_path / "second" / "family.py"
+    second.parent.mkdir()
+    second.write_text(_family_source())
+    with pytest.raises(ValueError, match=rf"model_type '{TOY_TYPE}' already has the family _longstraw_family_"):
+        register_family(str(second))
+
+
+def test_family_knowledge_comes_from_the_family(single_process):
+    """The layout check, the replay FLOPs, the HF output config and the HF reference class are
+    the families' own answers."""
+    from types import SimpleNamespace
+
+    from megatron_longstraw.testing.hf_reference import hf_model_class
+    from megatron_longstraw.testing.parity import seeded_model
+
+    cp2 = SimpleNamespace(context=2)
+    with pytest.raises(ValueError, match="^--context-parallel-size 2 with a GLM-5 model: .*--rollout-source jsonl$"):
+        family_for("glm_moe_dsa").check_layout(resolve_hf_config("glm-5-debug"), cp2, "internal")
+    family_for("glm_moe_dsa").check_layout(resolve_hf_config("glm-5-debug"), cp2, "jsonl")
+    family_for("qwen3_5_text").check_layout(resolve_hf_config("qwen3.5-debug"), cp2, "internal")
+
+    hf = resolve_hf_config("qwen3.5-debug")
+    model = seeded_model(hf)
+    linear = sum(p.numel() for n, p in model.named_parameters() if n.startswith("decoder.") and p.dim() == 2)
+    p, r = 100.0, 30.0
+    want = (2 * linear * r + 1 * 2 * 4 * (2 * 16) * r * (p + r / 2)  # 1 attention layer, 4 heads of 16
+            + 3 * r * 4 * (6 * 16 * 16 + 2 * 64 * (16 + 16))  # 3 Gated DeltaNet layers, 4 value heads of 16
+            + 2 * 64 * 256 * r)  # logits
+    assert response_forward_flops(hf, model, 100, 30) == pytest.approx(want, rel=1e-12)
+    glm = resolve_hf_config("glm-5-debug")
+    assert response_forward_flops(glm, seeded_model(glm), 100, 30) is None
+
+    multimodal = {"model_type": "qwen3_5", "_source": "test", "tie_word_embeddings": True,
+                  "architectures": ["Qwen3_5ForConditionalGeneration"], "vision_config": {"depth": 1},
+                  "text_config": {k: v for k, v in PRESETS["qwen3.5-debug"].items()
+                                  if k not in ("model_type", "tie_word_embeddings")}}
+    out = family_for("qwen3_5").hf_output_config(multimodal)
+    assert out["model_type"] == "qwen3_5_text" and out["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert "vision_config" not in out and "_source" not in out and out["tie_word_embeddings"] is True
+    glm_out = family_for("glm_moe_dsa").hf_output_config(glm)
+    assert glm_out == {k: v for k, v in glm.items() if k != "_source"}
+
+    assert hf_model_class("qwen3_5_text")[0].__name__ == "Qwen3_5ForCausalLM"
+    assert hf_model_class("glm_moe_dsa")[1].__name__ == "GlmMoeDsaConfig"
+    with pytest.raises(ValueError, match="model_type 'qwen3_5': the family megatron_longstraw.models.qwen3_5 "
+                                         "has no HF reference model"):
+        hf_model_class("qwen3_5")
+
+
+def test_converter_takes_a_family_from_outside_the_package(tmp_path, single_process, clean_registry):
+    """``tools/convert_checkpoint.py --model-family FILE`` converts a checkpoint of a model_type
+    only that family serves (refused without the flag), and the result loads into the model the
+    family builds with the HF model's logits."""
+    from pathlib import Path
+
+    from megatron_longstraw.checkpointing.model_checkpoint import load_model_checkpoint
+    from megatron_longstraw.models.builder import build_model
+    from megatron_longstraw.models.options import ModelOptions
+    from megatron_longstraw.testing.hf_reference import build_hf_model
+    from megatron_longstraw.testing.parity import forward_logits
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import convert_checkpoint
+
+    family = tmp_path / "toy_family.py"
+    family.write_text(_family_source())
+    hf = dict(PRESETS["qwen3.5-debug"])
+    hf_model = build_hf_model(hf, seed=5)
+    hf_model.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, model_type=TOY_TYPE)))
+    argv = ["hf-to-mcore", "--load", str(tmp_path / "hf"), "--no-progress"]
+    assert convert_checkpoint.main(argv + ["--save", str(tmp_path / "refused")]) == 2
+    assert not (tmp_path / "refused").exists()
+    assert convert_checkpoint.main(argv + ["--save", str(tmp_path / "mcore"), "--model-family", str(family)]) == 0
+    model = build_model(dict(hf, model_type=TOY_TYPE), ModelOptions(), parallel_output=False)
+    load_model_checkpoint(model, tmp_path / "mcore")
+    tokens_BS = torch.randint(0, hf["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (forward_logits(model.eval(), tokens_BS) - hf_model(tokens_BS).logits).abs().max().item() <= 1e-4
