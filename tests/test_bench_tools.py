@@ -50,6 +50,20 @@ def test_bench_tool_end_to_end(tmp_path):
     assert "Command: `" in (tmp_path / "bench_qwen3.5-debug.md").read_text()
 
 
+def test_bench_tool_times_the_exact_prompt_backward(tmp_path):
+    """``--prompt-gradient exact``: the reverse sweep's time and peak and the state-gradient bytes
+    per point, in the JSON and the table."""
+    cmd = [sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "qwen3.5-debug",
+           "--prompt-lengths", "64", "--group-sizes", "2", "--response-length", "8", "--modes", "longstraw",
+           "--prompt-chunk-size", "32", "--warmup-prompt-length", "0", "--prompt-gradient", "exact",
+           "--output-dir", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    (result,) = json.loads((tmp_path / "bench_qwen3.5-debug.json").read_text())["results"]
+    assert result["prompt_gradient"] == "exact" and result["prompt_backward_s"] > 0
+    assert 0 < result["state_grad_gib"] < result["floor_gib"]
+    assert "Prompt gradient: exact." in (tmp_path / "bench_qwen3.5-debug.md").read_text()
+
+
 def test_bench_tool_glm_reports_flops_and_capture_split(tmp_path):
     """GLM-5 tiny through the benchmark: capture MFU from the GLM FLOPs formula and the capture
     time split into indexer, sparse MLA, MoE and the rest (which add up to the capture time)."""

@@ -186,3 +186,52 @@ def test_no_compile_patch_on_cpu_or_when_asked(monkeypatch):
     no_compile.revert()
     assert torch._dynamo.config.disable == no_compile._ORIGINAL
     torch._dynamo.config.disable = before
+
+
+def test_attention_output_gate_keeps_fp64_and_is_unchanged_below():
+    """fp64 gates in fp64 (Megatron's rounds to fp32); below fp64 Megatron's own function runs."""
+    from megatron.core.transformer.attention import Attention
+
+    patches.apply_patches()
+    generator = torch.Generator().manual_seed(3)
+    x, gate = torch.randn(4, 2, 6, generator=generator), torch.randn(4, 2, 6, generator=generator)
+    out = Attention._apply_output_gate(None, x.double(), gate.double())
+    assert out.dtype == torch.float64
+    assert (out - x.double() * torch.sigmoid(gate.double())).abs().max() <= 1e-15
+    patches._module("attention_gate_precision").revert()
+    try:
+        original = Attention._apply_output_gate(None, x.double(), gate.double())
+        below = Attention._apply_output_gate(None, x.bfloat16(), gate.bfloat16())
+    finally:
+        patches._module("attention_gate_precision").apply()
+    assert (original - out).abs().max() > 1e-12  # Megatron's rounds the gate to fp32
+    assert torch.equal(Attention._apply_output_gate(None, x.bfloat16(), gate.bfloat16()), below)
+
+
+def test_moe_router_probabilities_keep_fp64_and_are_unchanged_below():
+    """fp64 sigmoid-routing probabilities in fp64 with Megatron's selection (Megatron's round the
+    scores to fp32); the dense output too; below fp64 Megatron's own function runs."""
+    from megatron.core.transformer.moe import router
+
+    patches.apply_patches()
+    generator = torch.Generator().manual_seed(5)
+    logits, bias = torch.randn(6, 8, generator=generator), torch.randn(8, generator=generator) * 0.1
+    options = dict(topk=3, num_groups=4, group_topk=2, scaling_factor=2.5, score_function="sigmoid")
+    probs, routing_map = router.topk_routing_with_score_function(logits.double(), expert_bias=bias, **options)
+    dense, top = router.topk_routing_with_score_function(logits.double(), expert_bias=bias, dense_output=True,
+                                                         **options)
+    chosen = torch.where(routing_map, torch.sigmoid(logits.double()), 0.0)
+    expected = 2.5 * chosen / chosen.sum(-1, keepdim=True)
+    assert probs.dtype == torch.float64 and (probs - expected).abs().max() <= 1e-15
+    assert (dense - expected.gather(1, top)).abs().max() <= 1e-15
+    patches._module("moe_router_precision").revert()
+    try:
+        original, original_map = router.topk_routing_with_score_function(logits.double(), expert_bias=bias,
+                                                                         **options)
+        below = router.topk_routing_with_score_function(logits, expert_bias=bias, **options)
+    finally:
+        patches._module("moe_router_precision").apply()
+    assert torch.equal(original_map, routing_map)
+    assert (original - probs).abs().max() > 1e-12  # Megatron's scores went through fp32
+    again = router.topk_routing_with_score_function(logits, expert_bias=bias, **options)
+    assert all(torch.equal(a, b) for a, b in zip(again, below))

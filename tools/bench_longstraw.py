@@ -28,6 +28,7 @@ from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter  # no
 from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
 from megatron_longstraw.longstraw.cost_model import memory_floor_bytes, prompt_flops  # noqa: E402
 from megatron_longstraw.longstraw.full_graph import full_graph_responses  # noqa: E402
+from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support, prompt_backward  # noqa: E402
 from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
 from megatron_longstraw.models.builder import build_stage_model  # noqa: E402
 from megatron_longstraw.models.options import ModelOptions  # noqa: E402
@@ -50,6 +51,9 @@ def parse_args(argv=None):
                    help="prompt lengths for the full-graph mode (default: --prompt-lengths)")
     p.add_argument("--prompt-chunk-size", type=int, default=32768)
     p.add_argument("--replay-micro-batch-size", type=int, default=1)
+    p.add_argument("--prompt-gradient", default="detached", choices=["detached", "exact"],
+                   help="exact: replay accumulates the prompt state's gradients, then the reverse sweep "
+                        "over the prompt (timed as prompt_backward_s); full mode: no detach")
     p.add_argument("--full-max-group", type=int, default=1,
                    help="full mode replays at most this many responses (its time is per sample)")
     p.add_argument("--warmup-prompt-length", type=int, default=65536,
@@ -213,7 +217,8 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
     responses = [torch.randint(0, hf["vocab_size"], (args.response_length,), device=device(), generator=gen)
                  for _ in range(group)]
     loss_fn = _loss_fn(group * args.response_length)
-    result = dict(mode=mode, prompt_length=prompt_length, group=group, response_length=args.response_length,
+    exact, peak_before_sweep = args.prompt_gradient == "exact", 0.0
+    result = dict(mode=mode, prompt_gradient=args.prompt_gradient, prompt_length=prompt_length, group=group, response_length=args.response_length,
                   context_parallel=args.context_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size,
                   virtual_stages=args.num_virtual_stages_per_pipeline_rank,
                   transformer_impl=args.transformer_impl,
@@ -225,7 +230,7 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
         if mode == "longstraw":
             split = {}
             with capture_split(model, hf, split):
-                state = capture_prompt(model, prompt, args.prompt_chunk_size)
+                state = capture_prompt(model, prompt, args.prompt_chunk_size, exact=exact)
             _sync()
             result["capture_s"] = time.perf_counter() - start
             if split:
@@ -248,17 +253,27 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
             for i, batch in enumerate(batches):
                 t0 = time.perf_counter()
                 with meter if i == 0 else contextlib.nullcontext():
-                    replay_responses(model, state, batch, loss_fn, mbs)
+                    replay_responses(model, state, batch, loss_fn, mbs, exact=exact)
                 _sync()
                 micro_batches = -(-len(batch) // mbs)
                 replay_times += [(time.perf_counter() - t0) / micro_batches] * micro_batches
             result["replay_s"] = replay_times
             result["activation_gib"] = meter.nbytes / GiB
+            if exact:  # the reverse sweep over the prompt, after every response's replay
+                result["state_grad_gib"] = _max_over_ranks(state.state_grad_nbytes() / GiB)
+                peak_before_sweep = _peak_gib()  # the step's peak is the larger of the two spans'
+                _reset_peak()
+                t0 = time.perf_counter()
+                prompt_backward(model, state, prompt)
+                _sync()
+                result["prompt_backward_s"] = time.perf_counter() - t0
+                result["prompt_backward_peak_gib"] = _max_over_ranks(_peak_gib())
+                result["prompt_backward_over_capture"] = result["prompt_backward_s"] / result["capture_s"]
         else:
             replay_times = []
             for response in responses[: args.full_max_group]:
                 t0 = time.perf_counter()
-                full_graph_responses(model, prompt, [response], loss_fn)
+                full_graph_responses(model, prompt, [response], loss_fn, exact=exact)
                 _sync()
                 replay_times.append(time.perf_counter() - t0)
             result["per_sample_s"] = replay_times
@@ -268,7 +283,7 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
         _sync()
         result["optimizer_s"] = time.perf_counter() - t0
         result["step_s"] = time.perf_counter() - start
-        peak = _peak_gib()
+        peak = max(_peak_gib(), peak_before_sweep)
         result["peak_gib"] = _max_over_ranks(peak)
         if args.pipeline_model_parallel_size > 1:
             result["stage_peak_gib"] = _per_stage(peak)
@@ -280,7 +295,9 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
         if mode == "longstraw":
             n_params = sum(p.numel() for p in model.parameters())
             dtype_bytes = next(model.parameters()).element_size()
-            floor = memory_floor_bytes(n_params, dtype_bytes, 2 * dtype_bytes, state.nbytes(), meter.nbytes) / GiB
+            # exact: the state's gradient buffers too (one chunk's recompute is not in the floor)
+            state_bytes = state.nbytes() + (state.state_grad_nbytes() if exact else 0)
+            floor = memory_floor_bytes(n_params, dtype_bytes, 2 * dtype_bytes, state_bytes, meter.nbytes) / GiB
             result["floor_gib"] = _max_over_ranks(floor)  # per rank: this rank's (stage's) parameters
             result["peak_over_floor"] = _max_over_ranks(peak / floor)
             if args.pipeline_model_parallel_size > 1:
@@ -332,17 +349,19 @@ def _cell(value, spec):
 def write_outputs(results, args, command, quiet=False):
     stem = bench_stem("bench", args.model, args.tag)
     lines = [f"# LongStraw benchmark: {args.model}", "", f"Command: `{command}`", "",
-             "| mode | CP | PP | prompt | G | capture s | capture MFU | replay s (mean) | per-sample s | step s | state GiB | act GiB | peak GiB | floor GiB | peak/floor |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"Prompt gradient: {args.prompt_gradient}.", "",
+             "| mode | CP | PP | prompt | G | capture s | capture MFU | replay s (mean) | prompt bwd s | per-sample s | step s | state GiB | state grad GiB | act GiB | peak GiB | floor GiB | peak/floor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if r.get("oom"):
             lines.append(f"| {r['mode']} | {r.get('context_parallel', 1)} | {r.get('pipeline_parallel', 1)} "
                          f"| {r['prompt_length']} | {r['group']} | OOM "
-                         f"| | | | | | | >{r['peak_gib']:.1f} | | |")
+                         f"| | | | | | | | | >{r['peak_gib']:.1f} | | |")
             continue
         cells = [_cell(r.get("capture_s"), ".1f"), _cell(r.get("capture_mfu"), ".1%"),
-                 _cell(_mean(r.get("replay_s")), ".2f"), _cell(_mean(r.get("per_sample_s")), ".2f"),
-                 _cell(r["step_s"], ".1f"), _cell(r.get("state_gib"), ".2f"), _cell(r.get("activation_gib"), ".2f"),
+                 _cell(_mean(r.get("replay_s")), ".2f"), _cell(r.get("prompt_backward_s"), ".2f"),
+                 _cell(_mean(r.get("per_sample_s")), ".2f"), _cell(r["step_s"], ".1f"), _cell(r.get("state_gib"), ".2f"),
+                 _cell(r.get("state_grad_gib"), ".2f"), _cell(r.get("activation_gib"), ".2f"),
                  _cell(r["peak_gib"], ".2f"), _cell(r.get("floor_gib"), ".2f"), _cell(r.get("peak_over_floor"), ".3f")]
         lines.append(f"| {r['mode']} | {r.get('context_parallel', 1)} | {r.get('pipeline_parallel', 1)} "
                      f"| {r['prompt_length']} | {r['group']} | " + " | ".join(cells) + " |")
@@ -425,6 +444,8 @@ def main(argv=None):
                                                  fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
                                                  recompute_granularity="full" if mode == "full" else None,
                                                  kernel_options=args.kernels))
+            if args.prompt_gradient == "exact" and mode == "longstraw":
+                check_prompt_gradient_support(model)
             optimizer = _optimizer(model)
             if args.warmup_prompt_length:
                 warm = run_point(model, optimizer, hf, mode, args.warmup_prompt_length, 1, args)

@@ -75,8 +75,9 @@ def cp_prefix_causal_attention(q_SBHD, k_SBGD, v_SBGD, pages_k_SBGD, pages_v_SBG
                                scale: Optional[float], group,
                                options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """Replicated response queries ``[s, b, heads, d]`` over every CP rank's batch-1 pages
-    ``[p_r, 1, groups, d]`` (all visible, no gradient) and the response keys (causal), with
-    autograd; returns ``[s, b, heads, d_v]``, the same on every rank."""
+    ``[p_r, 1, groups, d]`` (all visible; a gradient, of this rank's pages, only where they
+    require one) and the response keys (causal), with autograd; returns ``[s, b, heads, d_v]``,
+    the same on every rank."""
     seq, batch, heads, dim = q_SBHD.shape
     scale = default_scale(scale, dim)
     if pages_k_SBGD.shape[1] != 1:

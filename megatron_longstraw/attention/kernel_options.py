@@ -26,7 +26,7 @@ class KernelOptions:
 
     prefix_block: int = 262_144
     """Prompt keys per fused-kernel call of full attention: the bound of one call's transients
-    (the prompt's discarded dK/dV in backward)."""
+    (in backward the blocks' dK/dV, kept only where the pages require a gradient)."""
 
     dsa_key_block: int = 16384
     """DSA indexer keys scored at a time by the blockwise top-k."""

@@ -1,4 +1,4 @@
-"""Attention of new tokens over a detached prefix (the prompt state) plus themselves, causally.
+"""Attention of new tokens over a prefix (the prompt state) plus themselves, causally.
 
 ``prefix_causal_attention`` is what capture (a prompt chunk over the pages so far) and replay (a
 response over the whole prompt) compute. The math path (CPU, and the reference) runs one softmax
@@ -46,8 +46,9 @@ def prefix_causal_attention(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, prefix_v
                             options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """New-token queries ``[s, b, h, d]`` over prefix keys (all visible) and new keys (causal).
 
-    ``prefix_k/v`` are ``[p, b or 1, groups, d]`` and carry no gradient; gradients flow to the
-    new queries, keys and values. Returns ``[s, b, h, d_v]``. On a GPU, or anywhere with
+    ``prefix_k/v`` are ``[p, b or 1, groups, d]``; gradients flow to the new queries, keys and
+    values, and to the prefix where it requires grad (a detached prefix gets none, at no extra
+    cost on the fused path). Returns ``[s, b, h, d_v]``. On a GPU, or anywhere with
     ``options.attention_backend == "emulated"`` (tests), the fused path runs.
     """
     if q_SBHD.is_cuda or options.attention_backend == "emulated":

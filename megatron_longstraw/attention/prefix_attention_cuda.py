@@ -7,12 +7,17 @@ the query length (``[1, groups, samples * heads_per_group * s, d]``): no copy or
 of the prompt pages. Part 2: the new tokens over themselves, causal (small). Outputs merge
 exactly with their log-sum-exps (``partials.merge_partials``). Backward runs each part's fused
 backward with the *merged* output and log-sum-exp, which yields exactly the gradient of one
-softmax over all parts; the prefix keys/values get no gradient (their parts' dK/dV are
-discarded, and blocking bounds those transients).
+softmax over all parts. The prefix keys/values get a gradient only when they require one: a
+prefix block's dK/dV of the folded call is then exactly the gradient of that block of the
+batch-1 prefix (every folded query shares it) and is written into its slice of one
+preallocated gradient; otherwise the parts' dK/dV are discarded (blocking bounds those
+transients) and nothing more is kept.
 
 With a process group (context parallelism, ``cp_attention``) the prefix is this rank's pages:
 their part is merged over the group before the new tokens' part joins it, and the queries'
-gradient from the pages is all-reduced over the group.
+gradient from the pages is all-reduced over the group. The pages' own gradient (when they
+require one) is that of this rank's pages alone, with no reduction: the queries and the
+upstream gradient are the same on every rank.
 
 Kernels: cuDNN SDPA (fastest on Hopper at head dim 128/256) or flash SDPA, both from torch and
 both returning the log-sum-exp; ``KernelOptions.attention_backend`` (``--attention-backend
@@ -151,46 +156,66 @@ class _PrefixCausalAttention(torch.autograd.Function):
         aux_new, aux_prefix = ctx.aux
         grad_BHSD = grad_BHSD.contiguous()
         dq, dk, dv = kernel_backward(ctx.backend, grad_BHSD, q, k, v, out, lse, aux_new, True, ctx.scale)[:3]
+        dpk = dpv = None
         if pk is not None:
-            dq_prefix = prefix_blocks_dq(ctx.backend, ctx.block, grad_BHSD, q, q1, pk, pv, out, lse, aux_prefix,
-                                         ctx.scale)
+            dq_prefix, dpk, dpv = prefix_blocks_grads(ctx.backend, ctx.block, grad_BHSD, q, q1, pk, pv, out, lse,
+                                                      aux_prefix, ctx.scale, *ctx.needs_input_grad[3:5])
             if ctx.group is not None:
-                dist.all_reduce(dq_prefix, group=ctx.group)  # the pages of every rank
+                dist.all_reduce(dq_prefix, group=ctx.group)  # the pages of every rank (dpk/dpv: this rank's own)
             dq = dq + dq_prefix
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, dpk, dpv, None, None, None, None
 
 
 def prefix_attention_parts(q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, scale: float, backend: str, block: int,
                            group=None) -> torch.Tensor:
     """The fused path with autograd on ``[b, h, s, d]`` tensors: the queries over the batch-1
-    prefix ``pk/pv_1GPD`` (``[1, groups, p, d]`` or None; no mask, no gradient) and over the new
-    keys/values ``[b, h, s, d]`` (causal), merged exactly. With ``group`` the prefix is this
-    rank's share of the prefix keys, merged over the group; the result and the gradients are
-    then the same on every rank. Returns ``[b, h, s, d_v]``."""
+    prefix ``pk/pv_1GPD`` (``[1, groups, p, d]`` or None; no mask; a gradient only where they
+    require one) and over the new keys/values ``[b, h, s, d]`` (causal), merged exactly. With
+    ``group`` the prefix is this rank's share of the prefix keys, merged over the group; the
+    result and the gradients of the queries, keys and values are then the same on every rank,
+    and the prefix's gradient is that of this rank's share. Returns ``[b, h, s, d_v]``."""
     assert group is None or pk_1GPD is not None, "a group merge needs this rank's pages"
     return _PrefixCausalAttention.apply(q_BHSD, k_BHSD, v_BHSD, pk_1GPD, pv_1GPD, scale, backend, block, group)
+
+
+def prefix_blocks_grads(backend, block, grad_BHSD, q_BHSD, q1, pk_1GPD, pv_1GPD, out_BHSD, lse_BHS, aux_blocks,
+                        scale, want_dpk: bool = False, want_dpv: bool = False):
+    """The gradients ``(dq [b, h, s, d], dpk, dpv)`` of the prefix part, block by block, given the
+    merged output and log-sum-exp (the forward's ``merge_prefix_blocks`` folded queries and saved
+    ``aux``). ``dpk``/``dpv`` (``[1, groups, p, d]``, the prefix's dtype and layout) are None unless
+    wanted; each block's dK/dV of the folded call is written into its slice (the blocks are
+    disjoint, so each entry is written once, as the kernel rounded it)."""
+    groups = pk_1GPD.shape[1]
+    grad1, out1 = _fold(grad_BHSD, groups), _fold(out_BHSD, groups)
+    lse1 = _fold(lse_BHS.unsqueeze(-1), groups).squeeze(-1).contiguous()
+    dq = torch.zeros_like(q_BHSD)
+    dpk_1GPD = torch.zeros_like(pk_1GPD) if want_dpk else None
+    dpv_1GPD = torch.zeros_like(pv_1GPD) if want_dpv else None
+    for (start, end), aux in zip(_blocks(pk_1GPD, block), aux_blocks):
+        dq1, dk1, dv1 = kernel_backward(backend, grad1, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end],
+                                        out1, lse1, aux, False, scale)[:3]
+        dq = dq + _unfold(dq1, q_BHSD.shape)
+        if dpk_1GPD is not None:
+            dpk_1GPD[:, :, start:end] = dk1
+        if dpv_1GPD is not None:
+            dpv_1GPD[:, :, start:end] = dv1
+    return dq, dpk_1GPD, dpv_1GPD
 
 
 def prefix_blocks_dq(backend, block, grad_BHSD, q_BHSD, q1, pk_1GPD, pv_1GPD, out_BHSD, lse_BHS, aux_blocks,
                      scale) -> torch.Tensor:
     """The query gradient ``[b, h, s, d]`` of the prefix part, block by block, given the merged
     output and log-sum-exp (the forward's ``merge_prefix_blocks`` folded queries and saved ``aux``)."""
-    groups = pk_1GPD.shape[1]
-    grad1, out1 = _fold(grad_BHSD, groups), _fold(out_BHSD, groups)
-    lse1 = _fold(lse_BHS.unsqueeze(-1), groups).squeeze(-1).contiguous()
-    dq = torch.zeros_like(q_BHSD)
-    for (start, end), aux in zip(_blocks(pk_1GPD, block), aux_blocks):
-        dq1 = kernel_backward(backend, grad1, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end], out1,
-                              lse1, aux, False, scale)[0]
-        dq = dq + _unfold(dq1, q_BHSD.shape)
-    return dq
+    return prefix_blocks_grads(backend, block, grad_BHSD, q_BHSD, q1, pk_1GPD, pv_1GPD, out_BHSD, lse_BHS,
+                               aux_blocks, scale)[0]
 
 
 def prefix_causal_attention_cuda(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, prefix_v_SBGD=None,
                                  scale: Optional[float] = None,
                                  options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """See ``prefix_attention.prefix_causal_attention``; returns ``[s, b, h, d_v]``. The kernels
-    are ``options.attention_backend``'s, the prefix runs in blocks of ``options.prefix_block``."""
+    are ``options.attention_backend``'s, the prefix runs in blocks of ``options.prefix_block``; a
+    prefix that requires grad gets its gradient through the ``[1, groups, p, d]`` views."""
     seq, batch, heads, dim = q_SBHD.shape
     scale = default_scale(scale, dim)
     q_BHSD = q_SBHD.permute(1, 2, 0, 3)

@@ -28,6 +28,7 @@ from megatron_longstraw.attention.prefix_attention import prefix_causal_attentio
 from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
 from megatron_longstraw.core.collectives import context_parallel_group
 from megatron_longstraw.core.state import LayerState
+from megatron_longstraw.core.state_grad import read_with_grad
 
 
 @dataclass
@@ -74,6 +75,7 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
     """
 
     supports_context_parallel = True
+    supports_prompt_gradient = True
 
     def __init__(
         self,
@@ -118,8 +120,14 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
         cp_group = context_parallel_group() if binding is not None else None
         if cp_group is not None:
             return self._forward_context_parallel(query, key, value, binding, cp_group).reshape(seq, batch, -1)
+        if binding is not None and binding.mode == Mode.SWEEP:
+            return self._forward_sweep(query, key, value, binding).reshape(seq, batch, -1)
         if binding is not None and binding.mode in (Mode.CAPTURE, Mode.REPLAY):
             prefix_k, prefix_v = binding.state.keys_values()
+            if binding.mode == Mode.REPLAY and binding.exact:  # gradients into the pages' buffers
+                grads = binding.state.grads
+                prefix_k = read_with_grad(prefix_k, grads.buffer("key_SBGD")[:prefix_k.shape[0]])
+                prefix_v = read_with_grad(prefix_v, grads.buffer("value_SBGD")[:prefix_v.shape[0]])
             out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
                                                options=self.kernel_options)
             if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
@@ -142,6 +150,21 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
             enable_gqa=q_BHSD.shape[1] != k_BGSD.shape[1],
         )
         return out_BHSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _forward_sweep(self, query, key, value, binding):
+        """The reverse sweep's recomputed chunk (``Mode.SWEEP``): its queries over the pages of
+        the positions before it (their gradients go into the pages' buffers) and its own keys;
+        the chunk's own keys and values receive their pages' accumulated gradients."""
+        state, grads = binding.state, binding.state.grads
+        start, valid = binding.position_offset, binding.valid_length or query.shape[0]
+        grad_k, grad_v = grads.buffer("key_SBGD"), grads.buffer("value_SBGD")
+        prefix_k = read_with_grad(state.key_SBGD[:start], grad_k[:start])
+        prefix_v = read_with_grad(state.value_SBGD[:start], grad_v[:start])
+        out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
+                                           options=self.kernel_options)
+        binding.sweep.inject(key[:valid], grad_k[start:start + valid])
+        binding.sweep.inject(value[:valid], grad_v[start:start + valid])
+        return out_SBHD
 
     def _forward_context_parallel(self, query, key, value, binding, cp_group):
         """Capture / replay / decode with the pages sharded over ``cp_group``; ``[s, b, heads, d_v]``."""

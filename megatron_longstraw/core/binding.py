@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from megatron_longstraw.core.state import LayerState, StateSet
+from megatron_longstraw.core.state_grad import SweepTargets
 
 
 class Mode(enum.Enum):
@@ -26,6 +27,9 @@ class Mode(enum.Enum):
     # prompt state, append to / update the sample's own state (a ``DecodeState`` layer entry)
     REFERENCE = "reference"  # ordinary full sequence; detach the first ``prefix_length`` rows of
     # the tensors that make up the prompt state (the stop-gradient reference)
+    SWEEP = "sweep"          # autograd; the input is a prompt chunk recomputed for the reverse sweep
+    # of ``--prompt-gradient exact``: read the state before the chunk with gradients into its
+    # buffers, hand the chunk's own state entries to ``Binding.sweep`` (``core/state_grad.py``)
 
 
 @dataclass
@@ -40,17 +44,22 @@ class Binding:
     # rank (rank r feeds shard r); None without context parallelism (``core/collectives.py``)
     valid_length: Optional[int] = None  # CAPTURE / DECODE: the real tokens; under sequence
     # parallelism the layers see them padded to a multiple of TP, and keep state of the first rows
+    exact: bool = False  # --prompt-gradient exact. CAPTURE: keep what the reverse sweep needs
+    # (a recurrent layer's state at every chunk start); REPLAY: read the state with gradients
+    sweep: Optional[SweepTargets] = None  # SWEEP: where the chunk's own state entries go
 
 
 class StatefulModule:
     """Mixin for modules that keep prompt state; ``longstraw`` is ``None`` unless bound.
 
     ``supports_context_parallel``: the layer can capture/replay with its prompt state sharded
-    over the CP group (``core/collectives.py``).
+    over the CP group (``core/collectives.py``). ``supports_prompt_gradient``: it serves
+    ``--prompt-gradient exact`` (``core/state_grad.py``).
     """
 
     longstraw: Optional[Binding] = None
     supports_context_parallel: bool = False
+    supports_prompt_gradient: bool = False  # implements ``exact`` capture/replay and ``Mode.SWEEP``
 
     def new_prompt_state(self, prompt_length: int, batch: int, device) -> LayerState:
         """An empty state for a prompt of ``prompt_length`` tokens (this rank's share)."""
@@ -90,7 +99,8 @@ def check_state_matches(model, state: StateSet, modules=None) -> None:
 @contextlib.contextmanager
 def bind(model, mode: Mode, state: Optional[StateSet] = None, *,
          position_offset: int = 0, prefix_length: int = 0,
-         shard_sizes: Optional[tuple[int, ...]] = None, valid_length: Optional[int] = None):
+         shard_sizes: Optional[tuple[int, ...]] = None, valid_length: Optional[int] = None,
+         exact: bool = False, sweep: Optional[SweepTargets] = None):
     """Bind every stateful module of ``model`` for the block; restores the previous binding on exit.
 
     Keep backward inside the block when activations are recomputed (``--recompute-granularity``):
@@ -102,7 +112,7 @@ def bind(model, mode: Mode, state: Optional[StateSet] = None, *,
     previous = {name: module.longstraw for name, module in modules.items()}
     for name, module in modules.items():
         module.longstraw = Binding(mode, state.layers[name] if state is not None else None,
-                                   position_offset, prefix_length, shard_sizes, valid_length)
+                                   position_offset, prefix_length, shard_sizes, valid_length, exact, sweep)
     try:
         yield
     finally:

@@ -12,6 +12,8 @@ from typing import ClassVar, Optional, Protocol
 
 import torch
 
+from megatron_longstraw.core.state_grad import StateGrads
+
 
 class LayerState:
     """Base class: tensor fields are the state; everything else is bookkeeping.
@@ -44,9 +46,18 @@ class LayerState:
         return self
 
     def free(self) -> None:
-        """Drop the tensors."""
+        """Drop the tensors (and their gradient buffers)."""
         for name in self.tensors():
             setattr(self, name, None)
+        if "_grads" in self.__dict__:
+            self._grads.free()
+
+    @property
+    def grads(self) -> StateGrads:
+        """The fp32 gradient buffers of the state's tensors (``--prompt-gradient exact``)."""
+        if "_grads" not in self.__dict__:
+            self._grads = StateGrads(self)
+        return self._grads
 
     def select_samples(self, index_B: torch.Tensor) -> "LayerState":
         """Keep only the samples ``index_B`` (rows along ``sample_dim``), in that order; returns self."""
@@ -81,6 +92,15 @@ class PromptState:
     layers: dict[str, LayerState] = field(default_factory=dict)
     last_hidden_1BH: Optional[torch.Tensor] = None
     last_logits_BV: Optional[torch.Tensor] = None
+    chunk_starts: tuple[int, ...] = ()
+    """the first position of every capture chunk (this rank's shard), for the reverse sweep"""
+    last_hidden_grad_1BH: Optional[torch.Tensor] = None
+    """``--prompt-gradient exact``: fp32 gradient of the loss with respect to ``last_hidden_1BH``"""
+
+    def state_grad_nbytes(self) -> int:
+        """Bytes of the gradient buffers of every layer's state and of the last hidden state."""
+        extra = 0 if self.last_hidden_grad_1BH is None else self.last_hidden_grad_1BH.numel() * 4
+        return sum(s.grads.nbytes() for s in self.layers.values()) + extra
 
     def nbytes(self) -> int:
         """Bytes of every layer's state plus the last hidden state."""
@@ -106,4 +126,4 @@ class PromptState:
         for layer in self.layers.values():
             layer.free()
         self.layers.clear()
-        self.last_hidden_1BH = self.last_logits_BV = None
+        self.last_hidden_1BH = self.last_logits_BV = self.last_hidden_grad_1BH = None

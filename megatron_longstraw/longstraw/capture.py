@@ -50,13 +50,15 @@ def _check_layout(model, batch: int, cp_group) -> None:
 
 @torch.no_grad()
 def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
-                   progress: Optional[Callable[[int], object]] = None) -> PromptState:
+                   progress: Optional[Callable[[int], object]] = None, exact: bool = False) -> PromptState:
     """Run ``prompt_ids_BS`` through ``model`` without autograd, ``chunk_size`` tokens at a time.
 
     Each chunk attends to the state captured so far plus itself causally; recurrent layers carry
     their state from chunk to chunk. Peak memory is the state plus one chunk's activations.
     Returns the prompt state with the last position's hidden state and next-token logits.
     ``progress``, if given, is called with the number of tokens of each finished chunk.
+    ``exact`` (``--prompt-gradient exact``): the layers also keep what the reverse sweep
+    (``prompt_backward.py``) starts each chunk from (a recurrent layer's state at every chunk start).
 
     Context parallelism: every CP rank calls it with the same whole prompt (batch 1) and keeps
     its shard of every chunk (``core/collectives.py``); the Gated DeltaNet state after the prompt
@@ -82,7 +84,8 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     cp, rank = (1, 0) if cp_group is None else (dist.get_world_size(cp_group), dist.get_rank(cp_group))
     plan = shard_plan(length, chunk_size, cp)
     device = prompt_ids_BS.device
-    state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model))
+    state = PromptState(prompt_length=length, batch=batch, model_signature=model_signature(model),
+                        chunk_starts=tuple(start + sum(sizes[:rank]) for start, sizes in plan))
     local_length = sum(sizes[rank] for _, sizes in plan)
     for name, module in stateful_modules(model).items():
         state.layers[name] = module.new_prompt_state(local_length, batch, device)
@@ -99,7 +102,7 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
             shard_ids_BS = prompt_ids_BS[:, start:start + sizes[rank]]
             lockstep.busy()
             with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=sizes[rank],
-                      shard_sizes=None if cp_group is None else sizes):
+                      shard_sizes=None if cp_group is None else sizes, exact=exact):
                 hidden_SBH = run_stages(model, shard_ids_BS, start, lambda part, h: decode(part, h, start))
             if progress is not None:
                 progress(sum(sizes))

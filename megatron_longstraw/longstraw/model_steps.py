@@ -175,15 +175,16 @@ def loss_of(loss_fn, model, hidden_SBH, ids_BR, mask_RB, indices) -> torch.Tenso
 
 
 class FinalNormInput:
-    """Forward pre-hook on the decoder's final norm: keeps its input, or detaches a prefix of it.
+    """Forward pre-hook on the decoder's final norm: keeps its input (detached, or with its graph
+    for the reverse sweep: ``keep_graph``), or detaches a prefix of it.
 
     Under sequence parallelism the norm sees this rank's sequence shard: the kept input
     (``input_SBH``) is gathered (with ``decode``'s padding rows at the end) and ``detach_rows``
     counts rows of the whole sequence.
     """
 
-    def __init__(self, model, detach_rows: int = 0):
-        self.detach_rows = detach_rows
+    def __init__(self, model, detach_rows: int = 0, keep_graph: bool = False):
+        self.detach_rows, self.keep_graph = detach_rows, keep_graph
         self.input_SBH = None
         self._sp = sequence_parallel(model)
         self._handle = model.decoder.final_layernorm.register_forward_pre_hook(self)
@@ -203,7 +204,7 @@ class FinalNormInput:
             start = parallel_state.get_tensor_model_parallel_rank() * hidden.shape[0]
             detach_rows = min(max(detach_rows - start, 0), hidden.shape[0])
         else:
-            self.input_SBH = hidden.detach()
+            self.input_SBH = hidden if self.keep_graph else hidden.detach()
         if detach_rows:
             head, tail = hidden[:detach_rows], hidden[detach_rows:]
             return (torch.cat([head.detach(), tail]),) + tuple(args[1:])

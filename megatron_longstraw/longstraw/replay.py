@@ -6,21 +6,24 @@ import torch
 
 from megatron_longstraw.core.binding import Mode, bind
 from megatron_longstraw.core.state import PromptState
+from megatron_longstraw.core.state_grad import read_with_grad
 from megatron_longstraw.longstraw.micro_batches import LossFn, micro_batches
 from megatron_longstraw.longstraw.model_steps import decode, embed, loss_of, output_logits, predicting_hidden
 from megatron_longstraw.longstraw.pipeline import pipeline_parallel, replay_responses_pp
 from megatron_longstraw.models.fp8 import calibrate_gradient_scales, gradient_scales_uncalibrated
 
-def replay_logits(model, state: PromptState, response_ids_BR: torch.Tensor) -> torch.Tensor:
+def replay_logits(model, state: PromptState, response_ids_BR: torch.Tensor, exact: bool = False) -> torch.Tensor:
     """Logits ``[r, b, vocab/tp]`` predicting each response token, with autograd."""
-    return output_logits(model, replay_hidden(model, state, response_ids_BR))
+    return output_logits(model, replay_hidden(model, state, response_ids_BR, exact))
 
 
-def replay_hidden(model, state: PromptState, response_ids_BR: torch.Tensor) -> torch.Tensor:
+def replay_hidden(model, state: PromptState, response_ids_BR: torch.Tensor, exact: bool = False) -> torch.Tensor:
     """Final hidden states ``[r, b, h]`` predicting each response token, with autograd.
 
     Row 0 comes from the prompt's last position (final norm with grad, the hidden state
-    detached); rows 1.. from the response's own positions.
+    detached); rows 1.. from the response's own positions. ``exact`` (``--prompt-gradient
+    exact``): the prompt state is read with gradients into its buffers (``core/state_grad.py``),
+    the last position's hidden state too.
     """
     batch, length = response_ids_BR.shape
     if state.batch != 1 and state.batch != batch:
@@ -30,17 +33,24 @@ def replay_hidden(model, state: PromptState, response_ids_BR: torch.Tensor) -> t
             f"response of {length} tokens after a {state.prompt_length}-token prompt exceeds the "
             f"model's {model.max_sequence_length} positions")
     offset = state.prompt_length
-    with bind(model, Mode.REPLAY, state, position_offset=offset):
+    with bind(model, Mode.REPLAY, state, position_offset=offset, exact=exact):
         hidden_SBH = decode(model, embed(model, response_ids_BR, offset), offset)
-    return predicting_hidden(model, state.last_hidden_1BH, hidden_SBH)
+    last_hidden_1BH = state.last_hidden_1BH
+    if exact:
+        if state.last_hidden_grad_1BH is None:
+            state.last_hidden_grad_1BH = torch.zeros_like(last_hidden_1BH,
+                                                          dtype=torch.promote_types(last_hidden_1BH.dtype, torch.float32))
+        last_hidden_1BH = read_with_grad(last_hidden_1BH, state.last_hidden_grad_1BH)
+    return predicting_hidden(model, last_hidden_1BH, hidden_SBH)
 
 
 def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor], loss_fn: LossFn,
-                     micro_batch_size: int = 1) -> list[float]:
+                     micro_batch_size: int = 1, exact: bool = False) -> list[float]:
     """Replay ``responses`` ``micro_batch_size`` at a time; backward after each micro-batch.
 
     Gradients accumulate in the parameters; each micro-batch's graph is freed before the next.
-    Returns each micro-batch's loss.
+    Returns each micro-batch's loss. ``exact``: the gradients with respect to the prompt state
+    accumulate in its buffers too, for ``prompt_backward.prompt_backward`` after the group.
     """
     if micro_batch_size < 1:
         raise ValueError(f"--replay-micro-batch-size must be >= 1, got {micro_batch_size}")
@@ -48,12 +58,13 @@ def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor
         calibrate_gradient_scales(model, lambda: replay_responses(
             model, state, responses[:micro_batch_size], loss_fn, micro_batch_size))
     if pipeline_parallel():  # Megatron's schedule, one micro-batch per micro_batch_size responses
+        assert not exact, "exact prompt gradients under pipeline parallelism are refused at start-up"
         return replay_responses_pp(model, state, responses, loss_fn, micro_batch_size)
     losses = []
     for ids_BR, mask_RB, indices in micro_batches(responses, micro_batch_size):
         # backward inside the binding: recomputed layers re-run forward against the state
-        with bind(model, Mode.REPLAY, state, position_offset=state.prompt_length):
-            loss = loss_of(loss_fn, model, replay_hidden(model, state, ids_BR), ids_BR, mask_RB, indices)
+        with bind(model, Mode.REPLAY, state, position_offset=state.prompt_length, exact=exact):
+            loss = loss_of(loss_fn, model, replay_hidden(model, state, ids_BR, exact), ids_BR, mask_RB, indices)
             loss.backward()
         losses.append(loss.item())
     return losses

@@ -16,7 +16,7 @@ runs unchanged (each rank replays the whole, replicated, response).
 
 import contextlib
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from megatron.core.ssm.gated_delta_net import gdn as mcore_gdn
 from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix
 from megatron_longstraw.core.collectives import all_gather_rows, context_parallel_group
 from megatron_longstraw.core.state import LayerState
+from megatron_longstraw.core.state_grad import read_with_grad
 
 
 @dataclass
@@ -35,6 +36,19 @@ class GatedDeltaState(LayerState):
 
     recurrent_BHKV: torch.Tensor
     conv_tail_BCW: torch.Tensor
+    chunk_starts: dict = field(default_factory=dict)
+    """``--prompt-gradient exact``: ``{chunk start: (recurrent state, conv tail)}`` before every
+    capture chunk, the starting points of the reverse sweep's recomputation"""
+
+    def nbytes(self) -> int:
+        """Bytes of the state, the kept chunk-start states included."""
+        kept = sum(t.numel() * t.element_size() for pair in self.chunk_starts.values() for t in pair)
+        return super().nbytes() + kept
+
+    def free(self) -> None:
+        """Drop the tensors, the chunk-start states and the gradient buffers."""
+        super().free()
+        self.chunk_starts.clear()
 
 
 def _batch_to(state: torch.Tensor, batch: int) -> torch.Tensor:
@@ -80,6 +94,7 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
     """Megatron ``GatedDeltaNet`` that can start from / hand on a prompt state."""
 
     supports_context_parallel = True
+    supports_prompt_gradient = True
 
     @contextlib.contextmanager
     def _whole_heads(self):
@@ -92,9 +107,9 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
 
     def new_prompt_state(self, prompt_length: int, batch: int, device) -> GatedDeltaState:
         """Zero state (the state before any token)."""
-        return GatedDeltaState(
+        return GatedDeltaState(  # fp32, or the parameters' dtype if wider (fp64 tests)
             torch.zeros(batch, self.num_v_heads_local_tp, self.key_head_dim, self.value_head_dim,
-                        dtype=torch.float32, device=device),
+                        dtype=torch.promote_types(self.config.params_dtype, torch.float32), device=device),
             torch.zeros(batch, self.conv_dim_local_tp, self.conv_kernel_dim - 1,
                         dtype=self.config.params_dtype, device=device),
         )
@@ -126,8 +141,11 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
             raise ValueError("LongStraw Gated DeltaNet: capture under context parallelism needs the "
                              "chunk's shard sizes (use capture_prompt)")
         prefix = binding.prefix_length if mode == Mode.REFERENCE else 0
-        stateful = mode in (Mode.CAPTURE, Mode.REPLAY, Mode.DECODE)  # starts from the state
-        updates = mode in (Mode.CAPTURE, Mode.DECODE)  # hands its final state on
+        sweep = mode == Mode.SWEEP
+        stateful = mode in (Mode.CAPTURE, Mode.REPLAY, Mode.DECODE, Mode.SWEEP)  # starts from a state
+        updates = mode in (Mode.CAPTURE, Mode.DECODE, Mode.SWEEP)  # computes its final state
+        if stateful:
+            start_recurrent, start_tail = self._start_state(binding)
 
         qkvzba_BSX = self.in_proj(hidden_states)[0].transpose(0, 1)
         padded_len = qkvzba_BSX.shape[1]
@@ -143,7 +161,7 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
 
         conv_state = chunk_tail = None
         if stateful:  # fla's conv state is [b, channels, kernel]
-            tail = _batch_to(state.conv_tail_BCW, batch)
+            tail = _batch_to(start_tail, batch)
             if cp_capture:
                 tail, chunk_tail = _capture_cp_conv(tail, qkv, binding.shard_sizes, cp_group)
             conv_state = torch.cat([tail.new_zeros(batch, tail.shape[1], 1), tail], dim=-1)
@@ -161,12 +179,15 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         if cp_capture:
             core_out, recurrent_final = self._capture_cp_delta_rule(query, key, value, g, beta, state, cp_group)
         else:
-            recurrent = _batch_to(state.recurrent_BHKV, batch) if stateful else None
+            recurrent = _batch_to(start_recurrent, batch) if stateful else None
             core_out, recurrent_final = self.gated_delta_rule(
                 query, key, value, g=g, beta=beta, initial_state=recurrent,
                 output_final_state=updates, use_qk_l2norm_in_kernel=False,
             )
-        if updates:
+        if sweep:  # the chunk's final state receives its accumulated gradient
+            binding.sweep.inject(recurrent_final, state.grads.buffer("recurrent_BHKV"))
+            binding.sweep.inject(conv_final[:, :, 1:], state.grads.buffer("conv_tail_BCW"))
+        elif updates:
             state.recurrent_BHKV.copy_(recurrent_final)
             state.conv_tail_BCW.copy_(conv_final[:, :, 1:] if chunk_tail is None else chunk_tail)
 
@@ -175,6 +196,44 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         if padded_len > seq_len:  # the padding rows' output: zeros
             norm_out = torch.cat([norm_out, norm_out.new_zeros(batch, padded_len - seq_len, norm_out.shape[-1])], 1)
         return self.out_proj(norm_out.transpose(0, 1).contiguous())
+
+    def _compute_g_and_beta(self, A_log_local_cp, dt_bias_local_cp, alpha, beta):
+        """Megatron's decay and beta; in fp64 for an fp64 model, where Megatron computes the decay in
+        fp32 (below fp64 Megatron's own fused function runs)."""
+        if alpha.dtype != torch.float64:
+            return super()._compute_g_and_beta(A_log_local_cp, dt_bias_local_cp, alpha, beta)
+        return -A_log_local_cp.exp() * torch.nn.functional.softplus(alpha + dt_bias_local_cp), beta.sigmoid()
+
+    def _apply_gated_norm(self, x, gate):
+        """Megatron's output norm and gate; in fp64 for an fp64 model, where Megatron gates in
+        fp32 (below fp64 Megatron's own fused function runs)."""
+        if x.dtype != torch.float64:
+            return super()._apply_gated_norm(x, gate)
+        y = self.out_norm(x.reshape(-1, x.shape[-1]))
+        return y * self.act_fn(gate.reshape(-1, gate.shape[-1]))
+
+    def _start_state(self, binding):
+        """``(recurrent state, conv tail)`` the bound forward starts from: the state so far, read
+        with gradients in exact replay; in capture with ``exact`` it is also kept as the chunk's
+        start; in the sweep the kept start of the chunk, whose gradients become those of the
+        previous chunk's final state once the chunk's backward is done."""
+        state, mode = binding.state, binding.mode
+        if mode == Mode.CAPTURE and binding.exact:
+            state.chunk_starts[binding.position_offset] = (state.recurrent_BHKV.clone(), state.conv_tail_BCW.clone())
+        if mode == Mode.REPLAY and binding.exact:
+            return (read_with_grad(state.recurrent_BHKV, state.grads.buffer("recurrent_BHKV")),
+                    read_with_grad(state.conv_tail_BCW, state.grads.buffer("conv_tail_BCW")))
+        if mode != Mode.SWEEP:
+            return state.recurrent_BHKV, state.conv_tail_BCW
+        recurrent, tail = state.chunk_starts[binding.position_offset]
+        grad_recurrent = torch.zeros_like(state.grads.buffer("recurrent_BHKV"))
+        grad_tail = torch.zeros_like(state.grads.buffer("conv_tail_BCW"))
+
+        def hand_on():
+            state.grads.replace("recurrent_BHKV", grad_recurrent)
+            state.grads.replace("conv_tail_BCW", grad_tail)
+        binding.sweep.then(hand_on)
+        return read_with_grad(recurrent, grad_recurrent), read_with_grad(tail, grad_tail)
 
     def _capture_cp_delta_rule(self, query, key, value, g, beta, state, cp_group):
         """The delta rule on this rank's shard of a chunk, exact across the CP shards (see the

@@ -40,6 +40,14 @@ for the first ``first_k_dense_replace`` layers (HF ``mlp_layer_types == "dense"`
   enabled, so LongStraw capture (no grad) neither counts prompt tokens nor changes the bias;
   replay counts response tokens (padding of a micro-batch included; the full-graph baseline also
   counts the prompt once per response); RoPE: ``rope_type`` ``default`` only (YaRN refused).
+- ``--prompt-gradient exact`` (MoE): the reverse sweep's recomputed prompt chunk routes every
+  token as the full graph does (routing is per token, no capacity or token dropping, the same
+  ``expert_bias``: it only changes at the optimizer step), so gradients are exact. What differs
+  is the expert-bias token count: the sweep runs with grad, so it counts every prompt token once
+  (capture counts none; the full-graph baseline counts the prompt once per response, detached
+  replay never), and the step's bias update sees the prompt's routing once. Aux, sequence-aux
+  and z losses, which a recompute would add once more, are off for GLM-5
+  (``moe_router_load_balancing_type="none"``, ``moe_aux_loss_coeff=0``, no z-loss).
 - LongStraw prompt state (``glm5_state``): per layer the MLA latent ``[c_kv ; k_rope]`` of every
   prompt token, plus the DSA indexer keys on layers with their own indexer (not "shared" ones).
 - HF checkpoints carry an MTP layer (``model.layers.{num_hidden_layers}.*``) that HF's own model

@@ -47,6 +47,7 @@ from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise, spa
 from megatron_longstraw.attention.kernel_options import KernelOptions, UsesKernelOptions
 from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
 from megatron_longstraw.core.collectives import all_gather_rows, context_parallel_group
+from megatron_longstraw.core.state_grad import read_with_grad
 from megatron_longstraw.models.glm5_decode import decode_index_topk, decode_sparse_attention
 from megatron_longstraw.models.glm5_state import (
     IndexerDecodeState, IndexerKeyState, MLADecodeState, MLALatentState)
@@ -157,9 +158,17 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
     Its prompt state is the indexer key of every prompt token (``glm5_state.IndexerKeyState``).
     Unbound, and in ``Mode.REFERENCE``, it is Megatron's indexer unchanged (its keys never carry
     gradient, so there is nothing to detach).
+
+    ``--prompt-gradient exact``: the top-k selection is not differentiable and Megatron computes
+    the indexer from detached inputs, so in the full graph the loss sends no gradient to the
+    indexer keys (nor to its parameters: only the indexer KL loss would, which capture/replay
+    refuse). Its keys therefore have no gradient buffer; exact replay reads them as in detached
+    replay, and in ``Mode.SWEEP`` the recomputed chunk ranks ``[prompt keys before the chunk;
+    the chunk's keys]`` without grad and without appending: the selection of the capture.
     """
 
     supports_context_parallel = True
+    supports_prompt_gradient = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -195,7 +204,9 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
     def topk_after_prefix(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
         """Top-k ``[b, s, topk]`` of the new tokens over ``[prompt keys; new keys]``, causal.
 
-        Bound in ``Mode.CAPTURE`` it then appends the new keys to the state.
+        Bound in ``Mode.CAPTURE`` it then appends the new keys to the state. In ``Mode.SWEEP``
+        (a prompt chunk recomputed) the prompt keys are those before the chunk, which is not
+        appended again: the capture's selection.
         """
         binding = self.longstraw
         state = binding.state
@@ -204,7 +215,8 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
         group = context_parallel_group()
         if group is not None:
             return self._topk_context_parallel(q, k, weights, binding, group)
-        topk = index_topk_blockwise(q, weights, [(state.filled(), 0), (k, state.length)], state.length,
+        before = binding.position_offset if binding.mode == Mode.SWEEP else state.length
+        topk = index_topk_blockwise(q, weights, [(state.key_SBD[:before], 0), (k, before)], before,
                                     self.index_topk, self.config.dsa_indexer_scoring_relu, self.kernel_options)
         if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
             state.append(k[:binding.valid_length])
@@ -312,9 +324,16 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
     shared prompt latents plus its own; ``Mode.REFERENCE`` is the ordinary full-sequence forward with the prompt rows of
     the latent (``c_kv`` and ``k_rope``, the core attention's key) detached. The core attention
     must be ``LongStrawDSAttention``.
+
+    ``--prompt-gradient exact`` (``core/state_grad.py``): exact ``Mode.REPLAY`` reads the prompt
+    latents with gradients into their buffer (``grads.buffer("latent_SBD")``); ``Mode.SWEEP``
+    attends the recomputed chunk over ``[latents before the chunk (read with gradients); its own
+    latents]`` and injects the own latents' accumulated gradients. The latents are the whole MLA
+    state (what ``Mode.REFERENCE`` detaches); no chunk-start state is needed.
     """
 
     supports_context_parallel = True
+    supports_prompt_gradient = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -351,7 +370,7 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
         if not isinstance(self.core_attention, LongStrawDSAttention):
             raise TypeError("LongStraw MLA needs LongStrawDSAttention as core attention")
         mode, state = binding.mode, binding.state
-        if mode != Mode.REFERENCE and context_parallel_group() is None:  # CP: offsets are global
+        if mode not in (Mode.REFERENCE, Mode.SWEEP) and context_parallel_group() is None:  # CP: global
             done = state.length + (state.prompt.length if mode == Mode.DECODE else 0)
             if binding.position_offset != done:
                 raise RuntimeError(f"LongStraw MLA: position offset {binding.position_offset} != "
@@ -369,15 +388,36 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
                 q_absorbed, detach_prefix(kv_latent, binding.prefix_length, 0), value=None,
                 attention_mask=attention_mask, x=hidden_states, qr=q_compressed,
                 up_v_weight=v_up_weight, position_ids=position_ids, attn_mask_type=self.attn_mask_type)
+        elif mode == Mode.SWEEP:
+            core_out = self._forward_sweep(q_absorbed, kv_latent, hidden_states, q_compressed, v_up_weight,
+                                           binding)
         else:
+            prefix_SBD = state.filled()
+            if mode == Mode.REPLAY and binding.exact:  # gradients into the latents' buffer
+                prefix_SBD = read_with_grad(prefix_SBD, state.grads.buffer("latent_SBD")[:state.length])
             core_out = self.core_attention.forward_after_prefix(
-                q_absorbed, kv_latent, state.filled(), hidden_states, q_compressed, v_up_weight, binding)
+                q_absorbed, kv_latent, prefix_SBD, hidden_states, q_compressed, v_up_weight, binding)
             if mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
                 state.append(kv_latent.squeeze(2)[:binding.valid_length])
         core_out = _apply_absorbed_v_up_projection(
             core_out, v_up_weight, self.num_attention_heads_per_partition, self.config.kv_lora_rank,
             self.config.v_head_dim, getattr(self.core_attention, "consumes_absorbed_v_up_projection", False))
         return self.linear_proj(core_out)
+
+    def _forward_sweep(self, q_absorbed, kv_latent, hidden_states, q_compressed, v_up_weight, binding):
+        """The reverse sweep's recomputed chunk (``Mode.SWEEP``): its queries over the latents
+        of the positions before it (their gradients go into the latents' buffer) and its own
+        latents, which receive their rows' accumulated gradients; ``[s, b, heads * v]``."""
+        start, valid = binding.position_offset, binding.valid_length or q_absorbed.shape[0]
+        state, grad_SBD = binding.state, binding.state.grads.buffer("latent_SBD")
+        if start + valid > state.length:
+            raise RuntimeError(f"LongStraw MLA: swept chunk [{start}, {start + valid}) beyond the "
+                               f"{state.length} captured tokens")
+        prefix_SBD = read_with_grad(state.latent_SBD[:start], grad_SBD[:start])
+        core_out = self.core_attention.forward_after_prefix(
+            q_absorbed, kv_latent, prefix_SBD, hidden_states, q_compressed, v_up_weight, binding)
+        binding.sweep.inject(kv_latent.squeeze(2)[:valid], grad_SBD[start:start + valid])
+        return core_out
 
 
 class GlmAbsorbedMLASelfAttention(LongStrawAbsorbedMLASelfAttention):

@@ -21,7 +21,8 @@ every prompt token ``[s, b, index_head_dim]``: ``k_norm(wk(h))`` with RoPE on it
 so a response query's top-k selection ranks prompt and response tokens together. A ``"shared"``
 layer has no indexer (Megatron builds none) and reuses the top-k of its source layer, whose key
 positions are the same, so it keeps no indexer keys. Indexer keys never carry gradient (Megatron
-computes the indexer under ``no_grad`` from detached inputs).
+computes the indexer under ``no_grad`` from detached inputs), so ``--prompt-gradient exact``
+keeps a gradient buffer for the latents only (``grads.buffer("latent_SBD")``, same shape).
 
 Bytes per prompt, per sample (batch 1), with ``e`` the parameter dtype's size:
 ``P * e * (L * (kv_lora_rank + qk_rope_head_dim) + L_full * index_head_dim)`` plus the last

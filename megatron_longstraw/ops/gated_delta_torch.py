@@ -16,8 +16,10 @@ __all__ = ["l2norm", "causal_conv1d", "chunk_gated_delta_rule"]
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype=None) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over ``dim``, computed in fp32 (fla's definition)."""
-    y = x.float() * torch.rsqrt(x.float().pow(2).sum(dim=dim, keepdim=True) + eps)
+    """``x / sqrt(sum(x^2) + eps)`` over ``dim``, computed in fp32 (fla's definition; fp64 for
+    fp64 inputs, the exactness tests)."""
+    x_compute = x.to(torch.promote_types(x.dtype, torch.float32))
+    y = x_compute * torch.rsqrt(x_compute.pow(2).sum(dim=dim, keepdim=True) + eps)
     return y.to(output_dtype or x.dtype)
 
 

@@ -9,6 +9,10 @@ package monkeypatches Megatron. Current patches:
   token's selection does not depend on how many tokens follow it (exact prompt state).
 - ``dsa_promote_precision`` (everywhere): DSA's unfused math in ``promote(dtype, fp32)`` instead
   of fp32 (fp64 models stay fp64; no change below fp64).
+- ``attention_gate_precision`` (everywhere): the attention output gate keeps fp64 for fp64
+  models (Megatron's gates in fp32; no change below fp64).
+- ``moe_router_precision`` (everywhere): the MoE router's sigmoid / sqrt-softplus probabilities
+  keep fp64 for fp64 logits (Megatron's in fp32; same selection; no change below fp64).
 - ``no_compile`` (CPU, or a GPU process with ``LONGSTRAW_NO_COMPILE=1``: the GPU test tier):
   Megatron's ``torch.compile``'d helpers run eagerly.
 
@@ -33,6 +37,8 @@ PATCHES = (
     "gdn_out_norm_tp_grads",
     "dsa_causal_topk",
     "dsa_promote_precision",
+    "attention_gate_precision",
+    "moe_router_precision",
     "cpu_current_device",
     "cpu_rng_tracker",
     "cpu_gated_delta_kernels",

@@ -145,9 +145,18 @@ def _data(p):
 
 def _longstraw(p):
     g = p.add_argument_group("LongStraw")
-    g.add_argument("--prompt-chunk-size", type=int, default=32768)
-    g.add_argument("--replay-micro-batch-size", type=int, default=1)
-    g.add_argument("--replay-mode", default="longstraw", choices=["longstraw", "full"])
+    g.add_argument("--prompt-chunk-size", type=int, default=32768,
+                   help="prompt tokens per no-grad capture chunk (memory: the state plus one chunk)")
+    g.add_argument("--replay-micro-batch-size", type=int, default=1,
+                   help="responses replayed (forward + backward) at a time against the prompt state")
+    g.add_argument("--replay-mode", default="longstraw", choices=["longstraw", "full"],
+                   help="longstraw: replay against the captured state; full: the full-graph baseline "
+                        "(prompt + response per micro-batch, for comparison)")
+    g.add_argument("--prompt-gradient", default="detached", choices=["detached", "exact"],
+                   help="detached: the prompt state is a constant (LongStraw); exact: replay accumulates "
+                        "the state's gradients over the group, then one chunked backward through the "
+                        "prompt gives the full graph's gradient (with --replay-mode full: plain backprop "
+                        "through prompt + response with nothing detached)")
 
 
 def add_kernel_flags(g) -> None:
@@ -263,6 +272,12 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.parallel.context > 1 and args.replay_mode != "longstraw":
         raise ValueError("--context-parallel-size > 1 needs --replay-mode longstraw (the full-graph "
                          "baseline has no CP path)")
+    if args.prompt_gradient == "exact":
+        for flag, size in (("--tensor-model-parallel-size", args.parallel.tensor),
+                           ("--context-parallel-size", args.parallel.context),
+                           ("--pipeline-model-parallel-size", args.parallel.pipeline)):
+            if size > 1:
+                raise ValueError(f"--prompt-gradient exact is not supported with {flag} {size} > 1 yet")
     return args
 
 

@@ -18,9 +18,10 @@ from megatron_longstraw.grpo.advantages import advantage_stats, group_advantages
 from megatron_longstraw.grpo.registry import get_policy_loss
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_hidden, full_graph_responses
+from megatron_longstraw.longstraw.micro_batches import micro_batches
 from megatron_longstraw.longstraw.model_steps import response_logprobs
 from megatron_longstraw.longstraw.pipeline import from_last_stage, pipeline_parallel, score_logprobs_pp
-from megatron_longstraw.longstraw.micro_batches import micro_batches
+from megatron_longstraw.longstraw.prompt_backward import prompt_backward
 from megatron_longstraw.longstraw.replay import replay_hidden, replay_responses
 from megatron_longstraw.rewards.scoring import score_group
 from megatron_longstraw.rollout.generate import generate_from_state
@@ -92,8 +93,9 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
                 groups_per_rank: int, reference=None, clock: PhaseClock) -> dict:
     """Process one prompt group, accumulating gradients in ``model``; returns its metrics."""
     prompt_ids_1S = group.prompt_ids_S[None]
+    exact = args.prompt_gradient == "exact"
     with clock("capture"), progress_bar(prompt_ids_1S.shape[1], "capture", args) as bar:
-        state = capture_prompt(model, prompt_ids_1S, args.prompt_chunk_size, progress=bar.update)
+        state = capture_prompt(model, prompt_ids_1S, args.prompt_chunk_size, progress=bar.update, exact=exact)
     try:
         if not group.responses:
             with clock("rollout"), progress_bar(args.max_response_length, "decode", args) as bar:
@@ -122,15 +124,22 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
             groups_per_rank=groups_per_rank)
         with clock("replay"):
             if args.replay_mode == "longstraw":
-                losses = replay_responses(model, state, group.responses, loss_fn, args.replay_micro_batch_size)
+                losses = replay_responses(model, state, group.responses, loss_fn, args.replay_micro_batch_size,
+                                          exact=exact)
             else:
                 losses = full_graph_responses(model, prompt_ids_1S, group.responses, loss_fn,
-                                              args.replay_micro_batch_size)
-        state_bytes = state.nbytes()
+                                              args.replay_micro_batch_size, exact=exact)
+        state_bytes, state_grad_bytes = state.nbytes(), state.state_grad_nbytes()
+        if exact and args.replay_mode == "longstraw":  # one chunked backward through the prompt
+            with clock("prompt_backward"):
+                prompt_backward(model, state, prompt_ids_1S)
     finally:
         state.free()
     if not pipeline_parallel():
-        return _group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, args)
+        metrics = _group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, args)
+        if exact and args.replay_mode == "longstraw":
+            metrics["prompt/state_grad_bytes"] = float(state_grad_bytes)
+        return metrics
     # the loss and its metrics exist on the last stage; the prompt state is spread over the stages
     metrics = from_last_stage(_group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, args)
                               if parallel_state.is_pipeline_last_stage() else None)

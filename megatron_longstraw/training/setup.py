@@ -9,6 +9,7 @@ from megatron_longstraw.data.external_rollouts import ExternalRolloutDataset
 from megatron_longstraw.data.prompts import PromptDataset, resolve_max_prompt_length
 from megatron_longstraw.data.synthetic import KeyValueRetrievalTask, SyntheticRetrievalDataset
 from megatron_longstraw.data.tokenizer import build_tokenizer
+from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
@@ -34,6 +35,8 @@ def build_policy(args):
         fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe, sequence_parallel=args.sequence_parallel,
         recompute_granularity=args.recompute_granularity, kernel_options=args.kernels)
     model = build_stage_model(hf, options)  # under virtual pipeline stages: a StageChunks
+    if args.prompt_gradient == "exact" and args.replay_mode == "longstraw":
+        check_prompt_gradient_support(model)
     if args.pretrained_checkpoint:
         load_model_checkpoint(model, args.pretrained_checkpoint)
     reference = None
