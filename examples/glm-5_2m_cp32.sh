@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GLM-5 at a 2,088,960-token prompt on 32 GPUs (4 nodes x 8): TP 1, CP 32, EP 32, G=8. Launch on
 # every node with its NODE_RANK and the first node's MASTER_ADDR. Needs GLM-5 (MLA/DSA) under
-# LongStraw CP (the context-parallel issue); until then the trainer refuses it clearly.
+# LongStraw CP; until then the trainer refuses it clearly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/args/glm-5.sh

@@ -10,7 +10,7 @@
 # KV heads x 256 x (K, V) x 2 B = 64 KiB per token, 137 GB for the prompt, / CP 2 / TP 4 = 17 GB),
 # plus one recomputed 8K response's activations: about 100 GB per GPU.
 # Verified on CPU at small scale (TP=2 x CP=2 = TP=1 step, tests/test_train_grpo.py); the 8-GPU
-# run is the headline issue.
+# run is the headline target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/args/qwen3.6-27b.sh

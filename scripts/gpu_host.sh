@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU-host runner (offline H200, Python 3.12 + torch preinstalled). A device call carries at
-# most 64 MiB, so the wheels travel in two consecutive calls while the machine stays warm:
+# The GPU-host runner (offline H200, Python 3.12 + torch preinstalled). A call to the host carries
+# at most 64 MiB, so the wheels travel in two consecutive calls while the machine stays warm:
 #   call 1 (carry .whl-a, .gpu-cache/kernels.sha256, .gpu-cache/kernels.tgz.part-ab):
 #       bash scripts/gpu_host.sh install-a
 #   call 2 (carry .whl-b, .gpu-cache/kernels.sha256, .gpu-cache/kernels.tgz.part-aa):
@@ -32,10 +32,10 @@
 # `train-reshard` runs train_grpo.py under torchrun on every GPU with the first layout's parallel
 # args (e.g. "--tensor-model-parallel-size 2") for --train-iters steps with a checkpoint, then
 # resumes it with the second layout for two more steps (Megatron's checkpoints reshard).
-# `batch` runs several commands one after another in one device call (each a shell command, e.g.
+# `batch` runs several commands one after another in one call (each a shell command, e.g.
 # "GPU_TESTS_SPREAD=0 GPU_HOST_TIMEOUT=200 bash scripts/gpu_host.sh run -s -k context_parallel"),
 # each with OUT=$OUT/NAME and its output in NAME.log, prints each one's tail, and returns them all
-# as $OUT/batch.tgz (a device call returns at most 8 files), plus the kernel cache pieces.
+# as $OUT/batch.tgz (a call returns at most 8 files), plus the kernel cache pieces.
 # `queue-start` runs such a batch in its own process session from a snapshot of the tree, so it
 # goes on between calls while the machine stays warm (a call every < 30 s: e.g. the te-piece
 # calls); `queue-wait` waits up to SECONDS for its end and returns what it has so far as
@@ -51,13 +51,13 @@
 # fla's FLA_CACHE_RESULTS), so later processes on a warm host reuse them. Every verb but
 # install-a leaves the caches in $OUT as kernels.tgz.part-aa, -ab, ... (15 MiB pieces, at most
 # 3). Here, `bash scripts/gpu_host.sh keep-cache DIR` copies them from DIR into .gpu-cache/ with
-# a checksum list; carried with a later session's first calls (pieces spread over the calls,
+# a checksum list; sent with a fresh host's first calls (pieces spread over the calls,
 # beside the wheels), they are restored on the host once every listed piece has arrived.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site=/tmp/site
 kcache=/tmp/kcache
-limit=${GPU_HOST_TIMEOUT:-540}  # seconds for pytest / the benchmark, inside a device call's 600
+limit=${GPU_HOST_TIMEOUT:-540}  # seconds for pytest / the benchmark, inside a call's 600 s limit
 export TRITON_CACHE_DIR=$kcache/triton TILELANG_CACHE_DIR=$kcache/tilelang TRITON_CACHE_AUTOTUNING=1
 out=${OUT:-/tmp/gpu-host-out}
 mkdir -p "$out"
@@ -74,7 +74,7 @@ restore_cache() {
     mkdir -p $kcache && cat $parts/kernels.tgz.part-* | tar xz -C $kcache && echo "kernel cache restored"
   fi
 }
-keep_cache() {  # here: pieces from a device call's files into .gpu-cache/, with their checksums
+keep_cache() {  # here: pieces from a call's returned files into .gpu-cache/, with their checksums
   local from=${1:?usage: bash scripts/gpu_host.sh keep-cache DIR}
   compgen -G "$from/kernels.tgz.part-*" >/dev/null || { echo "no kernels.tgz.part-* in $from" >&2; exit 2; }
   rm -rf .gpu-cache && mkdir -p .gpu-cache && cp "$from"/kernels.tgz.part-* .gpu-cache/
@@ -182,7 +182,7 @@ case "${1:-}" in
       python3 tools/plot_metrics.py "$out/train-$name/metrics.jsonl" --keys reward/mean,entropy/mean \
         --output "$out/train-$name/learning_curve.png" --title "train_grpo.py $common ${own_args[$name]}" || true
     done
-    # a device call returns at most 8 files: the runs' metrics, logs and plots travel as one archive
+    # a call returns at most 8 files: the runs' metrics, logs and plots travel as one archive
     (cd "$out" && tar czf train-sweep.tgz train-*/metrics.jsonl train-*/log.txt train-*/learning_curve.png \
       && rm -rf train-*/) || true ;;
   batch)

@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
-# The pending GPU work of the open issues, as one queue on a two-GPU host (nvidia-h200-x2), in
-# priority order (what runs out of device time is at the end). After install-a and install-b:
+# Pending GPU runs, as one queue on a two-GPU host (nvidia-h200-x2), in priority order (what
+# runs out of GPU time is at the end). After install-a and install-b:
 #   bash scripts/gpu_queue.sh            (starts the queue and returns; see gpu_host.sh queue-*)
 # then the Transformer Engine calls (te-piece x5, te-build) while it runs, then
 #   bash scripts/gpu_host.sh queue-wait 560   (until it ends; each call returns what it has)
 # Each item's output lands in NAME/ and NAME.log of the returned archive. The last item is #10's
 # run scaled to two GPUs: qwen3.6-27b's widths at 8 of its 64 layers, the full 2.1M-token prompt
 # over CP=2, G=2 and G=8 (the peak difference, and per-layer times to extrapolate to 8 GPUs).
-# (Session 7 ran the DSA tests, the FP8 rows at 512K and the linear FP8 bench on one GPU.)
+# (The DSA tests, the FP8 rows at 512K and the linear FP8 bench run on one GPU: see below.)
 # Keep a queue-wait call running: an idle machine is released after 30 s, and the queue with it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 g="bash scripts/gpu_host.sh"
 q08="--model qwen3.5-0.8b --max-position-embeddings 2200000 --modes longstraw --group-sizes 8"
-# (session 6's TP=2 phase gave no step within its 200 s and printed no error: likely the limit,
-# while a fresh host compiles kernels for new shapes; now eager helpers, an 8K prompt and 360 s,
-# and each phase's exit status printed)
+# (with a 200 s limit the TP=2 phase gave no step and printed no error: likely the limit, while a
+# fresh host compiles kernels for new shapes; hence eager helpers, an 8K prompt and 360 s, and
+# each phase's exit status printed)
 train="--hf-config examples/configs/qwen3.5-retrieval-small.json --bf16 --synthetic-prompt-length 8192 \
 --synthetic-num-records 1 --max-response-length 4 --num-generations 8 --global-batch-size 8 \
 --replay-micro-batch-size 8 --lr 1e-3 --train-iters 3"
 if [ "$(nvidia-smi -L | wc -l)" -eq 1 ]; then
   # one GPU (nvidia-h200): what needs no second GPU. The TE/FP8 tests once TE is built (the FP8
   # gradient gap of #8: TE against emulated FP8 numerics, per-parameter cosines, TE's norm +
-  # linear alone). Session 7 ran the rest
-  # of this list: the FP8 rows at 512K, linear FP8 at 131K rows, #10 scaled to one GPU (qwen3.6-27b
+  # linear alone). The rest of the one-GPU
+  # work has run: the FP8 rows at 512K, linear FP8 at 131K rows, #10 scaled to one GPU (qwen3.6-27b
   # at 4 layers, 2.1M prompt, G=2 and G=8: docs/qwen3.6-27b_2m.md) and the DSA tests.
   exec $g queue-start \
     te-tests "$g te-wait 400 && GPU_HOST_TIMEOUT=540 $g run -k transformer_engine"

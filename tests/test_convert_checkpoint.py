@@ -254,7 +254,7 @@ def test_converted_checkpoint_loads_under_pipeline_parallelism(converted):
     hf, hf_model, root = converted
     if hf["model_type"] == "glm_moe_dsa":
         pytest.skip("glm-5-debug's shared-indexer pattern has no valid even 2-stage split "
-                    "(Megatron refuses it); GLM-5 pipeline layouts come with the PP issue")
+                    "(Megatron refuses it); GLM-5 pipeline layouts come with PP support")
     results = run_multiprocess(_load_under_pipeline, 2, hf, root / "mcore", hf_model.state_dict())
     layers = hf["num_hidden_layers"]
     assert [ids for ids, _ in results] == [list(range(layers // 2)), list(range(layers // 2, layers))]

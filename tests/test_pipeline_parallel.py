@@ -229,7 +229,7 @@ def test_pp2_with_cp2_or_sequence_parallel_matches_one_rank(runs, layout_runs, l
             assert {n for r in stages for n in r[preset]["grads"]} == set(ref["grads"])
             if layout.startswith("tp2-sp"):  # each TP rank against its shard of the one-rank gradient
                 # fp64; TP splits the Gated DeltaNet heads' sums, and the conv, A_log and dt_bias
-                # gradients nearly cancel (worst measured 3.6e-8, the conv weight): the issue's
+                # gradients nearly cancel (worst measured 3.6e-8, the conv weight): the target
                 # TP bound is 1e-5, this keeps a margin below it
                 worst = max(e for r in stages for e in r[preset]["grad_errors"].values())
                 assert worst <= 1e-6, (preset, inner, worst)

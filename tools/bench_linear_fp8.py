@@ -4,7 +4,7 @@ Builds the model with the Transformer Engine spec, collects the shape of every T
 (one entry per layer, so a shape counts as often as the model has it), and times ``te.Linear``
 forward + backward on ``--tokens`` rows for each distinct shape in bf16 and inside Megatron's FP8
 context for ``--fp8-format``/``--fp8-recipe``. Reports TFLOP/s per shape and the whole model's
-linear time in both precisions (the ratio the FP8 issue asks for "on the linear layers alone").
+linear time in both precisions (the FP8 target's ratio, "on the linear layers alone").
 
     python tools/bench_linear_fp8.py --model qwen3.5-0.8b --tokens 32768 --fp8-format hybrid --tag 0.8b
 """

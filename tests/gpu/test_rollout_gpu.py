@@ -39,7 +39,7 @@ def test_decode_attention_fused_matches_math(backend, dim, batch, prompt, own, s
     assert error < 1e-2, error
 
 
-# bf16 only: fp32 would compile a second set of fla kernels (minutes of device time); fp32
+# bf16 only: fp32 would compile a second set of fla kernels (minutes of GPU time); fp32
 # exactness of decoding is checked on CPU (tests/test_rollout.py)
 @pytest.mark.parametrize("preset,dtype", [("qwen3.5-debug", torch.bfloat16)])
 def test_rollout_matches_full_forward(single_process, preset, dtype, record_property):

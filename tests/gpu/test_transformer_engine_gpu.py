@@ -70,7 +70,7 @@ def test_fp8_replay_tracks_bf16_on_qwen_0_8b_at_32k(single_process, record_prope
     replay of the same weights: loss within 1%, gradient cosine >= 0.99 — from the model's very
     first replay (delayed scaling calibrates its gradient scales there, ``models/fp8.py``); then
     20 more FP8 captures and replays (delayed-scaling histories advancing) stay finite in loss
-    and gradients. The cosine check is the issue's; on random weights FP8 numerics alone reach
+    and gradients. The cosine check is the target's; on random weights FP8 numerics alone reach
     about 0.42 (``tools/fp8_sensitivity.py``), so it fails here: the test below judges TE by the
     emulated FP8's cosine instead."""
     from megatron_longstraw.testing.parity import replay_gradients
