@@ -97,10 +97,18 @@ class PromptState:
     last_hidden_grad_1BH: Optional[torch.Tensor] = None
     """``--prompt-gradient exact``: fp32 gradient of the loss with respect to ``last_hidden_1BH``"""
 
+    def last_hidden_grad(self) -> torch.Tensor:
+        """The gradient buffer of ``last_hidden_1BH`` (fp32, or wider), made on first use."""
+        if self.last_hidden_grad_1BH is None:
+            dtype = torch.promote_types(self.last_hidden_1BH.dtype, torch.float32)
+            self.last_hidden_grad_1BH = torch.zeros_like(self.last_hidden_1BH, dtype=dtype)
+        return self.last_hidden_grad_1BH
+
     def state_grad_nbytes(self) -> int:
         """Bytes of the gradient buffers of every layer's state and of the last hidden state."""
-        extra = 0 if self.last_hidden_grad_1BH is None else self.last_hidden_grad_1BH.numel() * 4
-        return sum(s.grads.nbytes() for s in self.layers.values()) + extra
+        grad = self.last_hidden_grad_1BH
+        extra = 0 if grad is None else grad.numel() * grad.element_size()
+        return sum(s.grads.nbytes() for s in self.layers.values() if "_grads" in s.__dict__) + extra
 
     def nbytes(self) -> int:
         """Bytes of every layer's state plus the last hidden state."""

@@ -37,10 +37,7 @@ def replay_hidden(model, state: PromptState, response_ids_BR: torch.Tensor, exac
         hidden_SBH = decode(model, embed(model, response_ids_BR, offset), offset)
     last_hidden_1BH = state.last_hidden_1BH
     if exact:
-        if state.last_hidden_grad_1BH is None:
-            state.last_hidden_grad_1BH = torch.zeros_like(last_hidden_1BH,
-                                                          dtype=torch.promote_types(last_hidden_1BH.dtype, torch.float32))
-        last_hidden_1BH = read_with_grad(last_hidden_1BH, state.last_hidden_grad_1BH)
+        last_hidden_1BH = read_with_grad(last_hidden_1BH, state.last_hidden_grad())
     return predicting_hidden(model, last_hidden_1BH, hidden_SBH)
 
 

@@ -272,12 +272,6 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.parallel.context > 1 and args.replay_mode != "longstraw":
         raise ValueError("--context-parallel-size > 1 needs --replay-mode longstraw (the full-graph "
                          "baseline has no CP path)")
-    if args.prompt_gradient == "exact":
-        for flag, size in (("--tensor-model-parallel-size", args.parallel.tensor),
-                           ("--context-parallel-size", args.parallel.context),
-                           ("--pipeline-model-parallel-size", args.parallel.pipeline)):
-            if size > 1:
-                raise ValueError(f"--prompt-gradient exact is not supported with {flag} {size} > 1 yet")
     return args
 
 

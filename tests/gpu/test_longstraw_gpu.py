@@ -1,5 +1,6 @@
 """GPU tier: fused prefix attention against the math reference; capture/replay in bf16 with fla."""
 
+import contextlib
 import functools
 
 import pytest
@@ -121,6 +122,20 @@ def test_fla_gated_delta_from_detached_state_matches_recurrence(single_process, 
     assert max(errors) < 2e-2, errors
 
 
+@contextlib.contextmanager
+def _torch_gdn_kernels():
+    """The pure-torch Gated DeltaNet kernels for the block (the fp32 truth, independent of fla);
+    on the GPU host fla's are in force otherwise."""
+    switch = not torch_gdn_kernels.needed()
+    if switch:
+        torch_gdn_kernels.apply()
+    try:
+        yield
+    finally:
+        if switch:
+            torch_gdn_kernels.revert()
+
+
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 def test_capture_replay_bf16_matches_full_graph(single_process, record_property, impl):
     """qwen3.5-debug on fla + fused attention, bf16: logits and gradients of capture/replay and of
@@ -145,17 +160,11 @@ def test_capture_replay_bf16_matches_full_graph(single_process, record_property,
         m.zero_grad(set_to_none=True)
         return out
 
-    switch = not torch_gdn_kernels.needed()  # on the GPU host fla is in force: switch for the truth
-    if switch:
-        torch_gdn_kernels.apply()
-    try:
+    with _torch_gdn_kernels():
         with torch.no_grad():
             truth = forward_logits(model32, sequence)[0, 999:-1]
         full_graph_responses(model32, prompt, responses, loss_fn)
         truth_grads = grads(model32)
-    finally:
-        if switch:
-            torch_gdn_kernels.revert()
     with torch.no_grad():
         full = forward_logits(model, sequence)[0, 999:-1].float()
         state = capture_prompt(model, prompt, 256)
@@ -209,15 +218,9 @@ def test_exact_prompt_gradient_bf16_matches_full_backprop(single_process, record
         m.zero_grad(set_to_none=True)
         return out
 
-    switch = not torch_gdn_kernels.needed()  # on the GPU host fla is in force: switch for the truth
-    if switch:
-        torch_gdn_kernels.apply()
-    try:
+    with _torch_gdn_kernels():
         full_graph_responses(model32, prompt, responses, loss_fn, exact=True)
         truth = grads(model32)
-    finally:
-        if switch:
-            torch_gdn_kernels.revert()
     full_graph_responses(model, prompt, responses, loss_fn, exact=True)
     full = grads(model)
     with torch.no_grad():
