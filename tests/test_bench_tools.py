@@ -61,7 +61,12 @@ def test_bench_tool_times_the_exact_prompt_backward(tmp_path):
     (result,) = json.loads((tmp_path / "bench_qwen3.5-debug.json").read_text())["results"]
     assert result["prompt_gradient"] == "exact" and result["prompt_backward_s"] > 0
     assert 0 < result["state_grad_gib"] < result["floor_gib"]
-    assert "Prompt gradient: exact." in (tmp_path / "bench_qwen3.5-debug.md").read_text()
+    # the floor counts one chunk's recompute when it is larger than one micro-batch's replay
+    assert result["sweep_activation_gib"] > 0 and result["floor_activation_gib"] == pytest.approx(
+        max(result["activation_gib"], result["sweep_activation_gib"]))
+    assert result["prompt_backward_mfu"] > 0
+    table = (tmp_path / "bench_qwen3.5-debug.md").read_text()
+    assert "Prompt gradient: exact." in table and "| prompt | G | sweep s | sweep / capture |" in table
 
 
 def test_bench_tool_glm_reports_flops_and_capture_split(tmp_path):
@@ -209,3 +214,19 @@ def test_linear_fp8_bench_needs_a_gpu_and_transformer_engine():
         pytest.skip("this machine has a GPU: the tool runs (GPU host)")
     with pytest.raises(ValueError, match="needs a CUDA GPU and Transformer Engine"):
         parse_args(["--model", "qwen3.5-debug"])
+
+
+def test_exact_gradient_check_tells_exact_from_detached(tmp_path):
+    """``tools/exact_gradient_check.py`` at a tiny size (fp32, CPU): exact mode's gradient is the
+    full graph's (cosine 1 to fp32 rounding, every counted tensor), the detached one is not."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import exact_gradient_check
+
+    exact_gradient_check.main(["--model", "qwen3.5-debug", "--prompt-length", "70", "--group-size", "2",
+                               "--response-length", "9", "--prompt-chunk-size", "32", "--output-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "exact_gradient_qwen3.5-debug.json").read_text())["result"]
+    exact, detached = result["exact_vs_full"], result["detached_vs_full"]
+    assert exact["whole"] > 1 - 1e-6 and exact["worst"] > 1 - 1e-4 and not exact["below_0_99"]
+    assert exact["tensors"] > exact["of"] // 2
+    assert detached["whole"] < 0.999 and detached["below_0_99"]
+    assert "| exact vs full graph |" in (tmp_path / "exact_gradient_qwen3.5-debug.md").read_text()

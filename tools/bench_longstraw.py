@@ -264,11 +264,19 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
                 peak_before_sweep = _peak_gib()  # the step's peak is the larger of the two spans'
                 _reset_peak()
                 t0 = time.perf_counter()
-                prompt_backward(model, state, prompt)
+                # the last chunk (the most earlier keys) metered: one chunk's recompute, the floor's term
+                last_chunk = len(state.chunk_starts) - 1
+                sweep_meter = SavedTensorMeter([*model.parameters(), *state_tensors, state.last_hidden_1BH])
+                prompt_backward(model, state, prompt,
+                                chunk_context=lambda i: sweep_meter if i == last_chunk else contextlib.nullcontext())
                 _sync()
+                result["sweep_activation_gib"] = sweep_meter.nbytes / GiB
                 result["prompt_backward_s"] = time.perf_counter() - t0
                 result["prompt_backward_peak_gib"] = _max_over_ranks(_peak_gib())
                 result["prompt_backward_over_capture"] = result["prompt_backward_s"] / result["capture_s"]
+                if flops is not None:  # model FLOPs of a forward recompute and its backward (2x)
+                    result["prompt_backward_mfu"] = (3 * flops / result["prompt_backward_s"] / 1e12
+                                                     / (PEAK_TFLOPS * args.context_parallel_size))
         else:
             replay_times = []
             for response in responses[: args.full_max_group]:
@@ -295,9 +303,12 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
         if mode == "longstraw":
             n_params = sum(p.numel() for p in model.parameters())
             dtype_bytes = next(model.parameters()).element_size()
-            # exact: the state's gradient buffers too (one chunk's recompute is not in the floor)
+            # exact: the state's gradient buffers too, and the larger of one micro-batch's replay
+            # and one chunk's recompute (the two spans do not overlap)
             state_bytes = state.nbytes() + (state.state_grad_nbytes() if exact else 0)
-            floor = memory_floor_bytes(n_params, dtype_bytes, 2 * dtype_bytes, state_bytes, meter.nbytes) / GiB
+            activation_bytes = max(meter.nbytes, sweep_meter.nbytes) if exact else meter.nbytes
+            floor = memory_floor_bytes(n_params, dtype_bytes, 2 * dtype_bytes, state_bytes, activation_bytes) / GiB
+            result["floor_activation_gib"] = _max_over_ranks(activation_bytes / GiB)
             result["floor_gib"] = _max_over_ranks(floor)  # per rank: this rank's (stage's) parameters
             result["peak_over_floor"] = _max_over_ranks(peak / floor)
             if args.pipeline_model_parallel_size > 1:
@@ -373,6 +384,16 @@ def write_outputs(results, args, command, quiet=False):
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {f['mode']} | {f['cp']} | {f['pp']} | {f['group']} | {f['fixed_gib']:.2f} | {f['per_1k_mib']:.2f} "
                   f"| {f['device_gib']:.1f} | {f['largest_prompt']:,} |" for f in fits]
+    sweeps = [r for r in results if r.get("prompt_backward_s") is not None]
+    if sweeps:
+        lines += ["", "Prompt backward sweep (exact mode; MFU counts the recomputed forward and its backward",
+                  "as 3x the capture's model FLOPs; act GiB: one chunk's saved activations, the last chunk's):", "",
+                  "| prompt | G | sweep s | sweep / capture | sweep MFU | sweep act GiB | sweep peak GiB |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['prompt_length']} | {r['group']} | {r['prompt_backward_s']:.1f} "
+                  f"| {r['prompt_backward_over_capture']:.2f} | {_cell(r.get('prompt_backward_mfu'), '.1%')} "
+                  f"| {_cell(r.get('sweep_activation_gib'), '.2f')} | {_cell(r.get('prompt_backward_peak_gib'), '.2f')} |"
+                  for r in sweeps]
     stages = [r for r in results if r.get("stage_peak_gib")]
     if stages:
         lines += ["", "Per pipeline stage (peak / floor GiB):", "",

@@ -22,6 +22,9 @@ any other; ``models/glm5.py`` says what the recompute adds to the router's exper
 counts. ``check_prompt_gradient_support`` names, with the flag, what is not served.
 """
 
+import contextlib
+from typing import Callable, ContextManager, Optional
+
 import torch
 from megatron.core import parallel_state
 
@@ -48,10 +51,13 @@ def check_prompt_gradient_support(model) -> None:
                              "Gated DeltaNet (the Qwen3.5 family), absorbed MLA with DSA (GLM-5)")
 
 
-def prompt_backward(model, state: PromptState, prompt_ids_BS: torch.Tensor) -> None:
+def prompt_backward(model, state: PromptState, prompt_ids_BS: torch.Tensor,
+                    chunk_context: Optional[Callable[[int], ContextManager]] = None) -> None:
     """The reverse sweep (module doc) over ``prompt_ids_BS``, the prompt ``state`` was captured
     from with ``exact=True`` and replayed against with ``exact=True``; parameter gradients
-    accumulate in ``model``. The state's gradient buffers are consumed (left as after the sweep)."""
+    accumulate in ``model``. The state's gradient buffers are consumed (left as after the sweep).
+    ``chunk_context(index)``, if given, wraps chunk ``index``'s recompute and backward (the
+    benchmark meters one chunk's saved activations with it)."""
     check_prompt_gradient_support(model)
     if prompt_ids_BS.shape[1] != state.prompt_length or not state.chunk_starts:
         raise ValueError(f"prompt of {prompt_ids_BS.shape[1]} tokens for a prompt state of "
@@ -65,8 +71,9 @@ def prompt_backward(model, state: PromptState, prompt_ids_BS: torch.Tensor) -> N
         final_norm = FinalNormInput(model, keep_graph=True) if last else None
         try:
             # backward inside the binding: recomputed layers re-run forward in the same mode
-            with torch.enable_grad(), bind(model, Mode.SWEEP, state, position_offset=start,
-                                           valid_length=end - start, sweep=targets):
+            around = chunk_context(index) if chunk_context is not None else contextlib.nullcontext()
+            with around, torch.enable_grad(), bind(model, Mode.SWEEP, state, position_offset=start,
+                                                   valid_length=end - start, sweep=targets):
                 decode(model, embed(model, prompt_ids_BS[:, start:end], start), start)
                 if last:  # the final norm's input at the last position, read by every response
                     targets.inject(final_norm.input_SBH[-1:], state.last_hidden_grad_1BH)
