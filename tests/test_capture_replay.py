@@ -232,7 +232,7 @@ def test_token_logprobs_leaves_the_logits_alone(single_process, dtype):
     before = logits.clone()
     logprobs = token_logprobs(logits, targets)
     assert torch.equal(logits, before)
-    assert logprobs.dtype == torch.float32
+    assert logprobs.dtype == torch.promote_types(dtype, torch.float32)  # fp32, fp64 for fp64 logits
     expected = torch.log_softmax(before.double(), -1).gather(-1, targets[..., None])[..., 0]
     assert torch.allclose(logprobs.double(), expected, atol=1e-6), (logprobs - expected).abs().max()
 

@@ -59,8 +59,6 @@ def _gdn_shard_errors(model, group):
     against its kernel over the whole chunk, from the same start state, with O(1) inputs (in
     the debug model the state's share of the output is small): relative errors of this rank's
     output rows and of the final state."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
 
     from megatron_longstraw.models.gated_delta_net import LongStrawGatedDeltaNet
@@ -77,7 +75,7 @@ def _gdn_shard_errors(model, group):
                                               output_final_state=True, use_qk_l2norm_in_kernel=False)
     rows = slice(0, 12) if dist.get_rank(group) == 0 else slice(12, seq)
     got, final = layer._capture_cp_delta_rule(query[:, rows], key[:, rows], value[:, rows], g[:, rows],
-                                              beta[:, rows], SimpleNamespace(recurrent_BHKV=start), group)
+                                              beta[:, rows], start, group)
     return (((got - want[:, rows]).abs().max() / want[:, rows].abs().max()).item(),
             ((final - want_final).abs().max() / want_final.abs().max()).item())
 

@@ -235,3 +235,36 @@ def test_moe_router_probabilities_keep_fp64_and_are_unchanged_below():
     assert (original - probs).abs().max() > 1e-12  # Megatron's scores went through fp32
     again = router.topk_routing_with_score_function(logits, expert_bias=bias, **options)
     assert all(torch.equal(a, b) for a, b in zip(again, below))
+
+
+def test_vocab_parallel_cross_entropy_keeps_fp64_and_is_unchanged_below(single_process):
+    """fp64 logits' cross entropy and its gradient in fp64 (Megatron's went through fp32); below
+    fp64 Megatron's own computation runs."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    patches.apply_patches()
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 2, 11, generator=generator) * 4
+    target = torch.randint(0, 11, (5, 2), generator=generator)
+
+    def loss_and_grad(logits):
+        logits = logits.clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(logits.clone(), target)
+        loss.sum().backward()
+        return loss.detach(), logits.grad
+
+    loss, grad = loss_and_grad(logits.double())
+    want = logits.double().requires_grad_(True)
+    want_loss = torch.nn.functional.cross_entropy(want.flatten(0, 1), target.flatten(), reduction="none")
+    want_loss.sum().backward()
+    assert loss.dtype == torch.float64 and (loss.flatten() - want_loss.detach()).abs().max() <= 1e-14
+    assert (grad - want.grad).abs().max() <= 1e-15
+    below = loss_and_grad(logits)
+    patches._module("cross_entropy_precision").revert()
+    try:
+        original = loss_and_grad(logits.double())
+        original_below = loss_and_grad(logits)
+    finally:
+        patches._module("cross_entropy_precision").apply()
+    assert original[0].dtype == torch.float32 and (original[1] - grad).abs().max() > 1e-12  # through fp32
+    assert all(torch.equal(a, b) for a, b in zip(below, original_below))

@@ -3,7 +3,9 @@ cpu_pipeline_schedules``) against PP=1 for LongStraw capture/replay: each stage 
 prompt state of its own layers (PP=1's state of those layers), the last stage's prompt logits,
 and replay through ``get_forward_backward_func()`` gives PP=1's losses and per-parameter
 gradients (fp64), for Qwen3.5 and a GLM-5 variant (every indexer layer ``full``: the debug
-preset's shared layer cannot be split evenly)."""
+preset's shared layer cannot be split evenly). The same spawns check ``--prompt-gradient exact``
+(PP=2, with virtual stages, and PP=2 x TP=2 with sequence parallelism) against one rank's full
+backprop with nothing detached."""
 
 import pytest
 import torch
@@ -63,27 +65,91 @@ def _run(hf, reference_grads=None, sequence_parallel=False, micro_batch_size=MIC
     return out
 
 
+EXACT_RESPONSES = (6, 1)  # --prompt-gradient exact: G = 2 with a 1-token response
+
+
+def _exact_inputs(hf):
+    return random_tokens(hf, PROMPT, 1), [random_tokens(hf, n, 20 + n)[0] for n in EXACT_RESPONSES]
+
+
+def _full_backprop_grads(hf) -> dict:
+    """One rank's gradients of full backprop through prompt + responses with nothing detached
+    (the reference of ``--prompt-gradient exact``), fp64."""
+    from megatron_longstraw.longstraw.full_graph import full_graph_responses
+
+    model = seeded_model(hf, torch.float64)
+    prompt, responses = _exact_inputs(hf)
+    full_graph_responses(model, prompt, responses, _nll(sum(EXACT_RESPONSES)), exact=True)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _exact_model(hf, micro_batch_size, sequence_parallel=False):
+    """``--prompt-gradient exact`` on this rank's stage, fp64: exact capture (chunks of 8, 8 and
+    5 tokens) and replay through the schedule, then the reverse sweep stage to stage
+    (``pipeline.prompt_backward_pp``); the model with its gradients."""
+    from megatron_longstraw.longstraw.capture import capture_prompt
+    from megatron_longstraw.longstraw.prompt_backward import prompt_backward
+    from megatron_longstraw.longstraw.replay import replay_responses
+
+    model = seeded_model(hf, torch.float64, parallel_output=True, sequence_parallel=sequence_parallel)
+    prompt, responses = _exact_inputs(hf)
+    with torch.no_grad():
+        state = capture_prompt(model, prompt, CHUNK, exact=True)
+    replay_responses(model, state, responses, _nll(sum(EXACT_RESPONSES)), micro_batch_size, exact=True)
+    prompt_backward(model, state, prompt)
+    state.free()
+    return model
+
+
+def _exact_grads(hf, micro_batch_size) -> dict:
+    """PP alone: this stage's exact gradients by global name (a tied embedding's summed over the
+    stages) and the schedule's name."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model = _exact_model(hf, micro_batch_size)
+    sum_tied_embedding_grads(model)
+    rename = pipeline_global_names(model)
+    return {"grads": {rename(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            "schedule": get_forward_backward_func().__name__}
+
+
+def _exact_errors(hf, full_grads) -> dict:
+    """PP x TP with sequence parallelism: after Megatron's TP reductions, per parameter of this
+    rank (by global name), the exact gradient's error against its shard of one rank's full
+    backprop."""
+    model = _exact_model(hf, 1, sequence_parallel=True)
+    rename = pipeline_global_names(model)
+    reduce_tp_grads(model)
+    local = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    errors = tp_grad_errors(model, local, {n: full_grads[rename(n)] for n in local}, scale_floor=1e-30)
+    return {rename(n): e for n, e in errors.items()}
+
+
 def _pp_worker(hfs):
     """PP=2, then PP=2 with two virtual stages per rank (one spawn, a store port each):
-    ``[{preset: _run}]`` for each."""
+    ``[{preset: _run}]`` for each, then ``[{preset: _exact_grads}]`` for each."""
     from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
-    out = []
+    out, exact = [], []
     for i, virtual in enumerate((1, 2)):
         use_port(i)
         init_distributed(ParallelSizes(pipeline=2, virtual_pipeline=virtual), seed=1234)
         try:
             # virtual stages: one response per micro-batch, 3 padded to 4 (a multiple of PP)
             out.append({name: _run(hf, micro_batch_size=MICRO if virtual == 1 else 1) for name, hf in hfs.items()})
+            # exact: one response per micro-batch; virtual stages: both in one, padded to 2
+            exact.append({name: _exact_grads(hf, 1 if virtual == 1 else 2) for name, hf in hfs.items()
+                          if virtual == 1 or not name.endswith("-tied")})
         finally:
             destroy_distributed()
-    return out
+    return out + exact
 
 
 @pytest.fixture(scope="module")
 def all_runs():
-    """One rank's runs, and per rank of the PP=2 spawn ``[PP=2 runs, PP=2 x VPP=2 runs]``."""
+    """One rank's runs, and per rank of the PP=2 spawn ``[PP=2 runs, PP=2 x VPP=2 runs]`` and
+    the same layouts' ``--prompt-gradient exact`` runs."""
     hfs = _hfs()
     return on_one_rank(lambda: {name: _run(hf) for name, hf in hfs.items()}), run_multiprocess(_pp_worker, 2, hfs)
 
@@ -98,6 +164,13 @@ def runs(all_runs):
 def virtual_runs(all_runs):
     reference, ranks = all_runs
     return reference, [rank[1] for rank in ranks]
+
+
+@pytest.fixture(scope="module")
+def full_backprop():
+    """One rank's gradients of full backprop with nothing detached per preset (the reference of
+    ``--prompt-gradient exact``)."""
+    return on_one_rank(lambda: {name: _full_backprop_grads(hf) for name, hf in _hfs().items()})
 
 
 @pytest.mark.parametrize("preset", list(_hfs()))
@@ -159,8 +232,7 @@ def test_pp2_with_virtual_stages_matches_pp1(virtual_runs, preset):
     assert len(last) == 1 and (last[0]["last_logits"] - ref["last_logits"]).abs().max().item() <= 1e-5
     assert len(last[0]["losses"]) == 3  # one per response; the padding micro-batch has none
     got, want = sum(last[0]["losses"]), sum(ref["losses"])
-    # the log-probs are fp32 (model_steps.response_logprobs): other micro-batch groupings round
-    # differently (measured 6.5e-8 relative)
+    # other micro-batch groupings add the responses' losses in another order (rounding)
     assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (got, want)
     assert {r[preset]["schedule"] for r in ranks} == {"forward_backward_pipelining_with_interleaving"}
     grads = {}
@@ -169,11 +241,35 @@ def test_pp2_with_virtual_stages_matches_pp1(virtual_runs, preset):
     assert_grads_match(grads, ref["grads"], 1e-9, f"vpp {preset}")
 
 
+@pytest.mark.parametrize("layout, preset", [("pp2", preset) for preset in _hfs()] + [
+    ("pp2-vpp2", preset) for preset in _hfs() if not preset.endswith("-tied")])
+def test_pp2_exact_prompt_gradient_equals_full_backprop(all_runs, full_backprop, layout, preset):
+    """``--prompt-gradient exact`` under PP=2, and with two virtual stages per rank (Megatron's
+    interleaved schedule): exact replay through the schedule, then the reverse sweep stage to
+    stage, one schedule call per capture chunk (8, 8 and 5 tokens), each stage joining its own
+    layers' state gradients to the one from the next stage; G = 2 with a 1-token response. Every
+    parameter's gradient, on the stage that holds it (a tied embedding: summed over both),
+    equals one rank's full backprop with nothing detached to 1e-9 relative (fp64)."""
+    _, ranks = all_runs
+    stages = [rank[2 if layout == "pp2" else 3][preset] for rank in ranks]
+    assert {stage["schedule"] for stage in stages} == {"forward_backward_pipelining_with_interleaving"
+                                                       if layout == "pp2-vpp2" else
+                                                       "forward_backward_pipelining_without_interleaving"}
+    names = [set(stage["grads"]) for stage in stages]
+    assert all(names) and not (names[0] & names[1]) - {"embedding.word_embeddings.weight"}
+    grads = {}
+    for stage in stages:
+        grads.update(stage["grads"])
+    ref = full_backprop[preset]
+    assert_grads_match(grads, ref, 1e-9, f"{layout} {preset} exact")  # an unrouted expert: exactly 0
+    for name, want in ref.items():
+        assert want.abs().max() > 0 or ".local_experts." in name, name
+
+
 LAYOUTS = ("cp2", "tp2-sp", "cp2-vpp2", "tp2-sp-vpp2")
-
-
-def _pp_layouts_worker(hfs, reference_grads):
-    """Each layout of ``LAYOUTS`` in turn in this rank (one spawn for both; a store port each)."""
+def _pp_layouts_worker(hfs, reference_grads, full_grads):
+    """Each layout of ``LAYOUTS`` in turn in this rank (one spawn for both; a store port each);
+    under TP also ``--prompt-gradient exact`` (``_exact_errors``)."""
     from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
@@ -188,16 +284,19 @@ def _pp_layouts_worker(hfs, reference_grads):
             tp = sizes.tensor > 1
             out[layout] = {name: _run(hf, reference_grads[name] if tp else None, sequence_parallel=tp)
                            for name, hf in hfs.items()}
+            if tp:
+                out[f"{layout}-exact"] = {name: _exact_errors(hf, full_grads[name]) for name, hf in hfs.items()}
         finally:
             destroy_distributed()
     return out
 
 
 @pytest.fixture(scope="module")
-def layout_runs(runs):
+def layout_runs(runs, full_backprop):
     reference, _ = runs
     hfs = {name: hf for name, hf in _hfs().items() if name != "qwen3.5-debug-tied"}
-    return hfs, run_multiprocess(_pp_layouts_worker, 4, hfs, {name: reference[name]["grads"] for name in hfs})
+    return hfs, run_multiprocess(_pp_layouts_worker, 4, hfs, {name: reference[name]["grads"] for name in hfs},
+                                 {name: full_backprop[name] for name in hfs})
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -237,6 +336,24 @@ def test_pp2_with_cp2_or_sequence_parallel_matches_one_rank(runs, layout_runs, l
             grads = {n: g for r in stages for n, g in r[preset]["grads"].items()}
             # fp64; the CP merges sum in another order (worst measured: 2.4e-9, GLM's final norm)
             assert_grads_match(grads, ref["grads"], 1e-8, f"{layout} {preset}")
+
+
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout.startswith("tp2")])
+def test_pp2_tp2_sequence_parallel_exact_prompt_gradient_equals_full_backprop(layout_runs, full_backprop, layout):
+    """``--prompt-gradient exact`` under PP=2 x TP=2 with sequence parallelism, also with two
+    virtual stages per rank (the sweep through Megatron's schedule, each decoder on its sequence
+    shard, capture chunks of 8, 8 and 5 tokens): every parameter, after the TP reductions, equals
+    its shard of one rank's full backprop with nothing detached to 1e-9 relative (fp64), for
+    both families."""
+    hfs, spawned = layout_runs
+    for preset in hfs:
+        errors = {}
+        for rank in spawned:  # the worst of a parameter's two TP ranks
+            for name, error in rank[f"{layout}-exact"][preset].items():
+                errors[name] = max(errors.get(name, 0.0), error)
+        assert set(errors) == set(full_backprop[preset]), preset
+        name = max(errors, key=errors.get)
+        assert errors[name] <= 1e-9, f"{layout} {preset} {name}: relative gradient error {errors[name]}"
 
 
 @pytest.mark.parametrize("extra,needle", [

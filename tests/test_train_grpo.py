@@ -247,6 +247,9 @@ def spawned(tmp_path_factory):
     pp = ["--global-batch-size", "1", "--num-generations", "3", "--synthetic-prompt-length", "37",
           "--prompt-chunk-size", "16", "--max-response-length", "5", "--replay-micro-batch-size", "2",
           "--lr", "1e-2", "--entropy-coef", "0.01", *quiet, "--reward-fn", "reward_fixtures:low_token_fraction"]
+    # step 3 with --prompt-gradient exact from the PP=2 run's step-2 checkpoint (as pp-at-1 takes it detached)
+    pp_exact = ["--train-iters", "3", "--load", str(tmp / "pp" / "iter_0000002"), "--no-save",
+                "--prompt-gradient", "exact"]
     tp_cp = ["--model", str(_tp_cp_config(tmp)), "--global-batch-size", "1", "--num-generations", "3", *quiet,
              *external, "--prompt-chunk-size", "16", "--replay-micro-batch-size", "2", "--lr", "1e-2"]
     layout = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
@@ -260,6 +263,7 @@ def spawned(tmp_path_factory):
                           "--save-interval", "2"],
              "pp2-vpp2": pp + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
                                "--train-iters", "3", "--save", str(tmp / "vpp"), "--save-interval", "2"],
+             "pp2-exact": pp + ["--pipeline-model-parallel-size", "2", *pp_exact],
              "ep-dp": ep_dp + ["--expert-model-parallel-size", "2"]}),
         (4, {"tp-cp-save": tp_cp + layout + ["--train-iters", "2", "--save", str(tmp / "tp-cp")],
              "tp-cp-resumed": tp_cp + layout + ["--train-iters", "3", "--load", str(tmp / "tp-cp"), "--no-save"]}),
@@ -267,6 +271,7 @@ def spawned(tmp_path_factory):
              "tp-cp-at-1": tp_cp + ["--train-iters", "3", "--load", str(tmp / "tp-cp"), "--no-save"],
              "pp-at-1": pp + ["--train-iters", "3", "--load", str(tmp / "pp" / "iter_0000002"), "--no-save"],
              "vpp-at-1": pp + ["--train-iters", "3", "--load", str(tmp / "vpp" / "iter_0000002"), "--no-save"],
+             "pp-exact-at-1": pp + pp_exact,
              "ep-dp-single": ep_dp}),
     ]
     out = {}
@@ -415,6 +420,29 @@ def test_pipeline_parallel_run_resumes_at_pp1(spawned, run, resumed_run):
     assert set(params) == set(resumed["params"]) and set(stages[0]["params"]) != set(stages[1]["params"])
     for name, value in params.items():
         full = resumed["params"][name]
+        error = float(abs(value - full).max())
+        assert error <= 1e-5 * max(1.0, float(abs(full).max())), (name, error)
+
+
+def test_pipeline_parallel_exact_prompt_gradient_step_equals_one_process(spawned):
+    """``--prompt-gradient exact`` under PP=2 (exact replay through Megatron's schedule, then the
+    reverse sweep stage to stage) takes step 3 from the PP=2 run's step-2 checkpoint like PP=1
+    from the same checkpoint: the same rewards, loss, gradient norm, state-gradient bytes (summed
+    over the stages) and updated parameters; the gradient norm differs from the detached step's."""
+    runs, _ = spawned
+    stages, (single,), (detached,) = runs["pp2-exact"], runs["pp-exact-at-1"], runs["pp-at-1"]
+    for key in ("reward/mean", "loss/total", "optim/grad_norm", "prompt/state_grad_bytes"):
+        a = single["metrics"][key]
+        for stage in stages:
+            b = stage["metrics"][key]
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
+    assert single["metrics"]["prompt/state_grad_bytes"] > 0 and stages[0]["metrics"]["time/prompt_backward_s"] > 0
+    grad_norm = single["metrics"]["optim/grad_norm"]
+    assert abs(detached["metrics"]["optim/grad_norm"] - grad_norm) > 1e-3 * grad_norm
+    params = {**stages[0]["params"], **stages[1]["params"]}
+    assert set(params) == set(single["params"])
+    for name, value in params.items():
+        full = single["params"][name]
         error = float(abs(value - full).max())
         assert error <= 1e-5 * max(1.0, float(abs(full).max())), (name, error)
 

@@ -18,6 +18,11 @@ positions of those rows (``positions_P`` of the GLM-5 states).
   what follows is replicated). The queries enter the page part
   through ``copy_to_tensor_model_parallel_region`` (all-reduce backward), so every rank ends
   with the CP=1 gradient of the queries. Replicated own keys (replay) are merged in locally.
+- ``cp_sweep_sparse_latent_attention`` (autograd): the reverse sweep's recompute of a prompt
+  chunk (``--prompt-gradient exact``), the capture's attention with gradients: the chunk's
+  queries all-gathered with autograd, this rank's part over its latents before the chunk and its
+  shard's own, merged so that each rank's part backpropagates every row of the chunk
+  (``partials.merge_partials_over_group_own_rows``); this rank's rows returned.
 
 Both run in blocks (``attention/dsa_blockwise.py``): a rank's candidates come from the blockwise
 running top-k over the runs of consecutive positions of its pages, and its attention part
@@ -32,7 +37,9 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron_longstraw.attention.dsa_blockwise import (
     candidate_positions, merge_candidates, sparse_latent_partial, topk_candidates)
 from megatron_longstraw.attention.kernel_options import KernelOptions
-from megatron_longstraw.attention.partials import merge_partials, merge_partials_over_group_with_grad
+from megatron_longstraw.attention.partials import (
+    merge_partials, merge_partials_over_group_own_rows, merge_partials_over_group_with_grad)
+from megatron_longstraw.core.collectives import all_gather_rows_with_grad
 
 
 def _runs(keys_TBD: torch.Tensor, positions_T: torch.Tensor) -> list:
@@ -77,7 +84,8 @@ def cp_sparse_latent_attention(query_SBNK, local_parts, topk_BSK, scale: float, 
                                options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """Absorbed sparse attention ``[s, b, heads, v_channels]`` (before the V up projection) of
     the queries over their selected keys: this rank's ``local_parts`` (``[(latents [t, 1 or b,
-    kv_lora + rope], ascending global positions [t]), ...]``, no gradient) merged over the CP
+    kv_lora + rope], ascending global positions [t]), ...]``, a gradient of this rank's
+    latents where they require one: exact replay) merged over the CP
     group, plus the replicated ``own_keys`` (with gradient). Each part gathers only its selected
     keys (``dsa_blockwise.sparse_latent_partial``, in blocks set by ``options``)."""
     q_pages = copy_to_tensor_model_parallel_region(query_SBNK, group=group) if query_SBNK.requires_grad \
@@ -91,6 +99,26 @@ def cp_sparse_latent_attention(query_SBNK, local_parts, topk_BSK, scale: float, 
         own = sparse_latent_partial(query_SBNK, own_keys_TBK, own_pos_T, topk_BSK, scale, v_channels, options)
         out, lse = merge_partials(out, lse, *own)
     return out.to(query_SBNK.dtype)
+
+
+def cp_sweep_sparse_latent_attention(query_SBNK, local_parts, topk_BSK, scale: float, v_channels: int,
+                                     shard_sizes: tuple[int, ...], group,
+                                     options: KernelOptions = KernelOptions()) -> torch.Tensor:
+    """This rank's rows ``[s_r, 1, heads, v_channels]`` of a prompt chunk's absorbed sparse
+    attention, recomputed with autograd for the reverse sweep: its queries ``[s_r, 1, heads,
+    kv_lora + rope]`` travel (all-gathered, the chunk's ``topk_BSK`` covers them all), attend
+    over their selected keys in this rank's ``local_parts`` (``[(latents, ascending global
+    positions), ...]``, with gradient where they require it), and the parts merge over the
+    group. The gradients of this rank's queries and latents are complete once every rank has
+    backpropagated its rows (every rank must)."""
+    mine = sum(shard_sizes[:dist.get_rank(group)])
+    q_all = torch.cat(all_gather_rows_with_grad(query_SBNK, shard_sizes, group))
+    partial = None
+    for keys_TBK, positions_T in local_parts:
+        part = sparse_latent_partial(q_all, keys_TBK, positions_T, topk_BSK, scale, v_channels, options)
+        partial = part if partial is None else merge_partials(*partial, *part)
+    out, _ = merge_partials_over_group_own_rows(*partial, group)
+    return out[mine:mine + query_SBNK.shape[0]].to(query_SBNK.dtype)
 
 
 def up_project(out_SBNC: torch.Tensor, up_v_weight: torch.Tensor) -> torch.Tensor:

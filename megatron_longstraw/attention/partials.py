@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from megatron_longstraw.attention.kernel_options import KernelOptions
@@ -111,3 +112,11 @@ def merge_partials_over_group_with_grad(out_XD: torch.Tensor, lse_X: torch.Tenso
     gradient of its own share."""
     return _merge_over_group(out_XD, lse_X, group,
                              lambda packed: reduce_from_tensor_model_parallel_region(packed, group=group))
+
+
+def merge_partials_over_group_own_rows(out_XD: torch.Tensor, lse_X: torch.Tensor,
+                                       group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge_partials_over_group`` with autograd when what follows the merge differs by rank
+    (the reverse sweep: each rank keeps the rows of its own queries): the sum's backward is an
+    all-reduce, so each rank's partial gets the gradient of every rank's rows."""
+    return _merge_over_group(out_XD, lse_X, group, lambda packed: dist_nn.all_reduce(packed, group=group))

@@ -21,7 +21,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_longstraw.attention.cp_attention import cp_capture_attention, cp_prefix_causal_attention
+from megatron_longstraw.attention.cp_attention import (
+    cp_capture_attention, cp_prefix_causal_attention, cp_sweep_attention)
 from megatron_longstraw.attention.decode_attention import decode_attention
 from megatron_longstraw.attention.kernel_options import UsesKernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
@@ -166,6 +167,22 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
         binding.sweep.inject(value[:valid], grad_v[start:start + valid])
         return out_SBHD
 
+    def _forward_sweep_context_parallel(self, query, key, value, binding, cp_group):
+        """``Mode.SWEEP`` under CP: this rank's shard of the recomputed chunk, its queries
+        travelling as in capture (``cp_sweep_attention``), over this rank's pages before the chunk
+        (the first ``binding.local_offset`` rows; their gradients go into the pages' buffers) and
+        its shard's own keys, which receive their pages' accumulated gradients."""
+        state, grads = binding.state, binding.state.grads
+        before, own = binding.local_offset, query.shape[0]
+        grad_k, grad_v = grads.buffer("key_SBGD"), grads.buffer("value_SBGD")
+        prefix_k = read_with_grad(state.key_SBGD[:before], grad_k[:before])
+        prefix_v = read_with_grad(state.value_SBGD[:before], grad_v[:before])
+        out_SBHD = cp_sweep_attention(query, key, value, prefix_k, prefix_v, binding.shard_sizes,
+                                      self.softmax_scale, cp_group, options=self.kernel_options)
+        binding.sweep.inject(key, grad_k[before:before + own])
+        binding.sweep.inject(value, grad_v[before:before + own])
+        return out_SBHD
+
     def _forward_context_parallel(self, query, key, value, binding, cp_group):
         """Capture / replay / decode with the pages sharded over ``cp_group``; ``[s, b, heads, d_v]``."""
         if binding.mode == Mode.CAPTURE:
@@ -177,8 +194,14 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
                                             self.softmax_scale, cp_group, options=self.kernel_options)
             binding.state.append(key, value)
             return out_SBHD
+        if binding.mode == Mode.SWEEP:
+            return self._forward_sweep_context_parallel(query, key, value, binding, cp_group)
         if binding.mode == Mode.REPLAY:
             prefix_k, prefix_v = binding.state.keys_values()
+            if binding.exact:  # gradients of this rank's pages into their buffers
+                grads = binding.state.grads
+                prefix_k = read_with_grad(prefix_k, grads.buffer("key_SBGD")[:prefix_k.shape[0]])
+                prefix_v = read_with_grad(prefix_v, grads.buffer("value_SBGD")[:prefix_v.shape[0]])
             return cp_prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
                                               cp_group, options=self.kernel_options)
         if binding.mode == Mode.DECODE:  # replicated samples over every rank's shard of the pages

@@ -40,13 +40,15 @@ class Binding:
     state: Optional[LayerState]
     position_offset: int = 0      # position of this forward's first token
     prefix_length: int = 0        # REFERENCE: prompt tokens at the start of the sequence
-    shard_sizes: Optional[tuple[int, ...]] = None  # CAPTURE under CP: this chunk's tokens per CP
+    shard_sizes: Optional[tuple[int, ...]] = None  # CAPTURE / SWEEP under CP: this chunk's tokens per CP
     # rank (rank r feeds shard r); None without context parallelism (``core/collectives.py``)
-    valid_length: Optional[int] = None  # CAPTURE / DECODE: the real tokens; under sequence
+    valid_length: Optional[int] = None  # CAPTURE / DECODE / SWEEP: the real tokens; under sequence
     # parallelism the layers see them padded to a multiple of TP, and keep state of the first rows
     exact: bool = False  # --prompt-gradient exact. CAPTURE: keep what the reverse sweep needs
     # (a recurrent layer's state at every chunk start); REPLAY: read the state with gradients
     sweep: Optional[SweepTargets] = None  # SWEEP: where the chunk's own state entries go
+    local_offset: Optional[int] = None  # SWEEP under CP: the rows of this rank's state before the
+    # chunk's shard (its shards of the earlier chunks); ``position_offset`` is the shard's first position
 
 
 class StatefulModule:
@@ -100,7 +102,7 @@ def check_state_matches(model, state: StateSet, modules=None) -> None:
 def bind(model, mode: Mode, state: Optional[StateSet] = None, *,
          position_offset: int = 0, prefix_length: int = 0,
          shard_sizes: Optional[tuple[int, ...]] = None, valid_length: Optional[int] = None,
-         exact: bool = False, sweep: Optional[SweepTargets] = None):
+         exact: bool = False, sweep: Optional[SweepTargets] = None, local_offset: Optional[int] = None):
     """Bind every stateful module of ``model`` for the block; restores the previous binding on exit.
 
     Keep backward inside the block when activations are recomputed (``--recompute-granularity``):
@@ -112,7 +114,8 @@ def bind(model, mode: Mode, state: Optional[StateSet] = None, *,
     previous = {name: module.longstraw for name, module in modules.items()}
     for name, module in modules.items():
         module.longstraw = Binding(mode, state.layers[name] if state is not None else None,
-                                   position_offset, prefix_length, shard_sizes, valid_length, exact, sweep)
+                                   position_offset, prefix_length, shard_sizes, valid_length, exact, sweep,
+                                   local_offset)
     try:
         yield
     finally:

@@ -52,7 +52,10 @@ Gradients under CP. Megatron's DDP averages gradients over the DP x CP group. In
 CP rank runs the same (replicated) response and, thanks to the all-reduce of the query gradient
 inside the attention merge, holds the *full* CP=1 gradient; the average over CP is then that
 gradient. A loss must therefore not be scaled by the CP size (Megatron's pretraining schedule
-multiplies its loss by ``cp`` because there each rank sees only a shard of the tokens).
+multiplies its loss by ``cp`` because there each rank sees only a shard of the tokens). With
+``--prompt-gradient exact`` the reverse sweep (``longstraw/prompt_backward.py``) recomputes each
+rank's own shards through collectives that backpropagate (``all_gather_rows_with_grad``) and sums
+the gradients over CP at its end, so every CP rank again holds the full gradient.
 
 - GLM-5's MLA latents and DSA indexer keys (``attention/cp_sparse_attention.py``): each rank
   keeps the latents and indexer keys of its shards with their global positions. The DSA top-k
@@ -117,6 +120,36 @@ def all_gather_rows(x: torch.Tensor, sizes: tuple[int, ...], group, dim: int = 0
     parts = [torch.empty_like(x) for _ in sizes]
     dist.all_gather(parts, x.contiguous(), group=group)
     return [p.narrow(dim, 0, n) for p, n in zip(parts, sizes)]
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """``all_gather_rows`` whose backward hands each rank the sum over the group of the
+    gradients of its own rows (an all-reduce of every part's gradient, then this rank's part)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group, dim):
+        ctx.sizes, ctx.group, ctx.dim = sizes, group, dim
+        return tuple(all_gather_rows(x, sizes, group, dim))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        longest = max(ctx.sizes)
+        padded = []
+        for grad, n in zip(grads, ctx.sizes):
+            shape = list(grad.shape)
+            shape[ctx.dim] = longest - n
+            padded.append(torch.cat([grad, grad.new_zeros(shape)], dim=ctx.dim))
+        total = torch.stack(padded).contiguous()
+        dist.all_reduce(total, group=ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return total[rank].narrow(ctx.dim, 0, ctx.sizes[rank]), None, None, None
+
+
+def all_gather_rows_with_grad(x: torch.Tensor, sizes: tuple[int, ...], group, dim: int = 0) -> list[torch.Tensor]:
+    """``all_gather_rows`` with autograd, for a computation that differs by rank after the
+    gather (the reverse sweep, where each rank keeps its own rows): the gradient of ``x`` is the
+    sum of every rank's gradient of its copy. Every rank must backpropagate through it."""
+    return list(_AllGatherRows.apply(x, tuple(sizes), group, dim))
 
 
 def broadcast_from_last(x: torch.Tensor, group) -> torch.Tensor:

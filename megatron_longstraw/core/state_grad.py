@@ -95,6 +95,13 @@ class SweepTargets:
         self.outputs.append(output)
         self.grads.append(grad.to(output.dtype))
 
+    def take(self, start: int = 0) -> tuple[list, list]:
+        """The outputs injected after the first ``start`` ones and their gradients, removed from
+        the targets (a pipeline stage backpropagates its own with its output's gradient)."""
+        outputs, grads = self.outputs[start:], self.grads[start:]
+        del self.outputs[start:], self.grads[start:]
+        return outputs, grads
+
     def then(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once the chunk's backward is done."""
         self.after_backward.append(callback)

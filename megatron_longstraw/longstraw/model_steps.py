@@ -5,13 +5,37 @@ after the prompt), so positions start at an offset; Megatron's ``GPTModel.forwar
 RoPE at 0. These helpers call Megatron's own embedding, rotary table, decoder and output layer.
 """
 
+import contextlib
+
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def sequence_parallel(model) -> bool:
     """Whether ``model`` runs Megatron's sequence parallelism (TP > 1 and ``sequence_parallel``)."""
     return bool(model.config.sequence_parallel) and parallel_state.get_tensor_model_parallel_world_size() > 1
+
+
+@contextlib.contextmanager
+def without_activation_recompute(model):
+    """Megatron's activation recomputation (``--recompute-granularity``) off for the block.
+
+    The reverse sweep of ``--prompt-gradient exact`` injects gradients into tensors a chunk's
+    forward makes inside each layer (its K/V pages, a recurrent layer's state); a checkpointed
+    layer runs that forward without autograd and recomputes it only inside its own backward, where
+    nothing injected reaches it. The sweep therefore keeps one chunk's activations whole (the
+    memory floor counts them)."""
+    configs = {id(m.config): m.config for m in model.modules()
+               if isinstance(getattr(m, "config", None), TransformerConfig)}
+    previous = {key: config.recompute_granularity for key, config in configs.items()}
+    for config in configs.values():
+        config.recompute_granularity = None
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config.recompute_granularity = previous[key]
 
 
 def _pad_rows(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -112,18 +136,19 @@ def output_logits(model, hidden_SBH: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(logits_SBV: torch.Tensor, targets_SB: torch.Tensor) -> torch.Tensor:
-    """``log p(target)`` per position, ``[s, b]`` in fp32 (Megatron's cross entropy computes in
-    fp32 whatever the input), over the TP-sharded vocabulary."""
+    """``log p(target)`` per position, ``[s, b]`` in fp32 (fp64 for fp64 logits:
+    ``patches.cross_entropy_precision``), over the TP-sharded vocabulary."""
     # Megatron's cross entropy subtracts the max in place: hand it a copy, never the caller's
     # logits (for fp32 logits its ``.float()`` is the tensor itself, often a custom Function's view).
-    logits_SBV = logits_SBV.to(torch.float32, copy=True)
+    logits_SBV = logits_SBV.to(torch.promote_types(logits_SBV.dtype, torch.float32), copy=True)
     return -tensor_parallel.vocab_parallel_cross_entropy(logits_SBV, targets_SB.contiguous())
 
 
 def token_entropy(logits_SBV: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution per position, ``[s, b]`` in fp32, over the
-    TP-sharded vocabulary (partial sums all-reduced with gradients, as Megatron's cross entropy)."""
-    logits_SBV = logits_SBV.float()
+    """Entropy of the next-token distribution per position, ``[s, b]`` in fp32 (fp64 for fp64
+    logits), over the TP-sharded vocabulary (partial sums all-reduced with gradients, as
+    Megatron's cross entropy)."""
+    logits_SBV = logits_SBV.to(torch.promote_types(logits_SBV.dtype, torch.float32))
     max_SB1 = logits_SBV.detach().max(dim=-1, keepdim=True).values
     torch.distributed.all_reduce(max_SB1, op=torch.distributed.ReduceOp.MAX,
                                  group=parallel_state.get_tensor_model_parallel_group())
@@ -197,7 +222,10 @@ class FinalNormInput:
     def __call__(self, module, args):
         hidden = args[0]
         detach_rows = self.detach_rows
-        if self._sp:
+        if self._sp and self.keep_graph:  # the gather's backward hands each rank its own rows' gradient
+            self.input_SBH = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False)
+        elif self._sp:
             with torch.no_grad():
                 self.input_SBH = tensor_parallel.gather_from_sequence_parallel_region(
                     hidden.detach(), tensor_parallel_output_grad=False)

@@ -9,7 +9,14 @@ prompt state of those layers only.
   one micro-batch per ``micro_batch_size`` responses; the forward step runs this stage's layers
   bound to this stage's prompt state (the binding spans the whole schedule, so backward and any
   recomputation see it too); the last stage computes the loss. Responses are padded to one length
-  so that every micro-batch has the shape the schedule's point-to-point transfers expect.
+  so that every micro-batch has the shape the schedule's point-to-point transfers expect. With
+  ``exact`` (``--prompt-gradient exact``) each stage reads its layers' state with gradients into
+  their buffers, the last stage the prompt's last hidden state too.
+- ``prompt_backward_pp`` (autograd): ``prompt_backward.prompt_backward``'s reverse sweep, one
+  schedule call per capture chunk, last chunk first (a chunk's backward must follow those of the
+  later chunks, which add into its state's gradients): every stage recomputes its layers on the
+  chunk and backpropagates, in one backward, the gradient from the next stage together with the
+  accumulated gradients of its own layers' state entries of the chunk (``_WithInjected``).
 - ``run_stages`` (no autograd): one slice of tokens through the stages, as capture passes a chunk;
   decoding (``decode_step``) and the trainer's scoring (``score_logprobs_pp``) use it, the last
   stage computing logits and log-probs. Whatever only the last stage computes (sampled tokens,
@@ -23,10 +30,12 @@ model step's interface is), each stage's decoder running on its TP rank's shard 
 Virtual pipeline stages (``--num-virtual-stages-per-pipeline-rank``): the rank's model is a
 ``models.pipeline_stage.StageChunks``; ``run_stages`` takes each slice around the ring of ranks
 once per chunk, and replay runs through Megatron's interleaved schedule (one data iterator per
-chunk, micro-batches padded to a multiple of PP); with CP and TP + SP as without them.
+chunk, micro-batches padded to a multiple of PP); with CP and TP + SP as without them. The
+reverse sweep pads its one micro-batch per call with PP - 1 that only pass zeros through.
 """
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,9 +44,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_longstraw.core.binding import Mode, bind
 from megatron_longstraw.core.state import PromptState
+from megatron_longstraw.core.state_grad import SweepTargets, read_with_grad
 from megatron_longstraw.longstraw.micro_batches import micro_batches, uniform_micro_batches
 from megatron_longstraw.longstraw.model_steps import (
-    decode, embed, loss_of, predicting_hidden, response_logprobs, sequence_parallel)
+    FinalNormInput, decode, embed, loss_of, predicting_hidden, response_logprobs, sequence_parallel)
 from megatron_longstraw.models.pipeline_stage import last_chunk, model_chunks
 
 
@@ -120,11 +130,37 @@ def score_logprobs_pp(model, state: PromptState, responses: Sequence[torch.Tenso
     return out
 
 
+def _run_schedule(model, forward_step, batches: list, length: int, micro_batch_size: int) -> None:
+    """Megatron's ``get_forward_backward_func()`` schedule over ``batches`` (one micro-batch each,
+    every one ``length`` tokens of ``micro_batch_size`` rows; under virtual stages one data
+    iterator per chunk), each micro-batch's loss taken as it is (already normalized)."""
+    chunks = model_chunks(model)
+    # the schedule sizes its transfers as a sequence sharded over CP and, under sequence
+    # parallelism, TP (length // cp // tp); what LongStraw's stages pass on is the whole slice on
+    # every rank (model_steps: the decoder alone runs on sequence shards)
+    shards = parallel_state.get_context_parallel_world_size() * (
+        parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel(model) else 1)
+    configs = [chunk.config for chunk in chunks]
+    saved = [config.calculate_per_token_loss for config in configs]
+    for config in configs:  # the loss is already normalized: no division by micro-batches
+        config.calculate_per_token_loss = True
+    try:
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+            model=chunks, num_microbatches=len(batches), seq_length=length * shards,
+            micro_batch_size=micro_batch_size, forward_only=False)
+    finally:
+        for config, value in zip(configs, saved):
+            config.calculate_per_token_loss = value
+
+
 def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Tensor], loss_fn,
-                        micro_batch_size: int = 1) -> list[float]:
+                        micro_batch_size: int = 1, exact: bool = False) -> list[float]:
     """``replay_responses`` through Megatron's pipeline schedule (same arguments); every stage
-    calls it with the same responses. Gradients accumulate in this stage's parameters; returns
-    each micro-batch's loss on the last stage, an empty list elsewhere."""
+    calls it with the same responses. Gradients accumulate in this stage's parameters (with
+    ``exact``, those of this stage's prompt state in its buffers too); returns each micro-batch's
+    loss on the last stage, an empty list elsewhere."""
     check_pipeline(model)
     if state.batch != 1:
         raise ValueError(f"pipeline-parallel replay needs a prompt state of batch 1, got {state.batch}")
@@ -150,7 +186,10 @@ def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Ten
         hidden_SBH = decode(chunk, hidden_SBH, offset)
         if not (last and v == len(chunks) - 1):
             return hidden_SBH, None
-        hidden_SBH = predicting_hidden(chunk, state.last_hidden_1BH, hidden_SBH)
+        last_hidden_1BH = state.last_hidden_1BH
+        if exact:  # the prompt's last hidden state, read by every response, with its gradient
+            last_hidden_1BH = read_with_grad(last_hidden_1BH, state.last_hidden_grad())
+        hidden_SBH = predicting_hidden(chunk, last_hidden_1BH, hidden_SBH)
 
         def loss_func(output_SBH):
             real = len(indices)
@@ -161,23 +200,84 @@ def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Ten
             return loss, torch.ones((), dtype=torch.int), {}
         return hidden_SBH, loss_func
 
-    # the schedule sizes its transfers as a sequence sharded over CP and, under sequence
-    # parallelism, TP (length // cp // tp); what LongStraw's stages pass on is the whole slice on
-    # every rank (model_steps: the decoder alone runs on sequence shards)
-    shards = parallel_state.get_context_parallel_world_size() * (
-        parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel(model) else 1)
-    configs = [chunk.config for chunk in chunks]
-    saved = [config.calculate_per_token_loss for config in configs]
-    for config in configs:  # the loss is already normalized: no division by micro-batches
-        config.calculate_per_token_loss = True
-    try:
-        with bind(model, Mode.REPLAY, state, position_offset=offset):
-            get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
-                model=chunks, num_microbatches=len(batches), seq_length=length * shards,
-                micro_batch_size=micro_batch_size, forward_only=False)
-    finally:
-        for config, value in zip(configs, saved):
-            config.calculate_per_token_loss = value
+    with bind(model, Mode.REPLAY, state, position_offset=offset, exact=exact):
+        _run_schedule(model, forward_step, batches, length, micro_batch_size)
     return losses
+
+
+class _WithInjected(torch.autograd.Function):
+    """Identity on a stage's output; its backward passes the output's gradient on and hands each
+    injected tensor (``SweepTargets``: the stage's own state entries of the chunk) its gradient,
+    so that both enter the stage's one backward."""
+
+    @staticmethod
+    def forward(ctx, output, grads, *injected):
+        ctx.grads = grads
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None, *ctx.grads)
+
+
+def prompt_backward_pp(model, state: PromptState, prompt_ids_BS: torch.Tensor,
+                       chunk_context: Optional[Callable[[int], ContextManager]] = None) -> None:
+    """``prompt_backward.prompt_backward`` (same arguments; its checks done) through Megatron's
+    pipeline schedule: per capture chunk, last first, one schedule call with one micro-batch (the
+    chunk; under virtual stages with PP - 1 padding micro-batches that pass zeros through). The
+    first stage embeds the chunk; every stage recomputes its layers in ``Mode.SWEEP`` and joins
+    what its layers injected (and, on the last stage, the final norm's input at the prompt's last
+    position) to its output, whose backward the schedule runs with the next stage's gradient.
+    Every stage calls it; parameter gradients accumulate in this stage's parameters."""
+    check_pipeline(model)
+    assert parallel_state.get_context_parallel_world_size() == 1, "refused by check_prompt_gradient_support"
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if state.batch != 1:
+        raise ValueError(f"pipeline-parallel prompt backward needs a prompt state of batch 1, got {state.batch}")
+    chunks = model_chunks(model)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    hidden_size, dtype = model.config.hidden_size, model.config.pipeline_dtype
+    ends = state.chunk_starts[1:] + (state.prompt_length,)
+    spans = list(zip(state.chunk_starts, ends))
+    for index in reversed(range(len(spans))):
+        start, end = spans[index]
+        targets = SweepTargets()
+        final_norm = FinalNormInput(last_chunk(model), keep_graph=True) if last and index == len(spans) - 1 else None
+        # the interleaved schedule runs micro-batches in groups of PP per chunk
+        batches = [True] + [False] * ((pp - 1) if len(chunks) > 1 else 0)
+
+        def forward_step(data_iterator, chunk, start=start, end=end, targets=targets, final_norm=final_norm):
+            real = next(data_iterator)
+            v = chunks.index(chunk)
+            embeds, ends_model = first and v == 0, last and v == len(chunks) - 1
+            if not real:  # a padding micro-batch: zeros through every stage, no loss, no gradient
+                hidden_SBH = (torch.zeros((end - start, 1, hidden_size), dtype=dtype, device=prompt_ids_BS.device,
+                                          requires_grad=True) if embeds else chunk.decoder.input_tensor)
+                if not ends_model:
+                    return hidden_SBH.view_as(hidden_SBH), None
+                return hidden_SBH, lambda out_SBH: (out_SBH.sum() * 0.0, torch.ones((), dtype=torch.int), {})
+            mark = len(targets.outputs)
+            hidden_SBH = embed(chunk, prompt_ids_BS[:, start:end], start) if embeds else chunk.decoder.input_tensor
+            hidden_SBH = decode(chunk, hidden_SBH, start)
+            if final_norm is not None and ends_model:  # read by every response
+                targets.inject(final_norm.last_row_1BH(end - start), state.last_hidden_grad_1BH)
+            injected, grads = targets.take(mark)
+            if not ends_model:
+                return _WithInjected.apply(hidden_SBH, tuple(grads), *injected), None
+            # the last stage: a zero "loss" whose backward is the injected gradients' (tied to the
+            # output when nothing is injected, so that the previous stage still gets its gradient)
+            carrier = hidden_SBH.new_zeros(()) if injected else hidden_SBH.sum() * 0.0
+            loss = _WithInjected.apply(carrier, tuple(grads), *injected)
+            return hidden_SBH, lambda _: (loss, torch.ones((), dtype=torch.int), {})
+
+        around = chunk_context(index) if chunk_context is not None else contextlib.nullcontext()
+        try:
+            # the schedule's backward inside the binding: recomputed layers re-run forward in the same mode
+            with around, torch.enable_grad(), bind(model, Mode.SWEEP, state, position_offset=start,
+                                                   valid_length=end - start, sweep=targets):
+                _run_schedule(model, forward_step, batches, end - start, 1)
+                targets.take()  # what recomputation injected again during backward
+                targets.backward()  # nothing left to backpropagate: the layers' after-backward steps
+        finally:
+            if final_norm is not None:
+                final_norm.remove()

@@ -14,7 +14,29 @@ chunks and the responses) have all been backpropagated by then.
 Memory: the state, its gradient buffers, the recurrent layers' chunk-start states (kept by an
 ``exact`` capture) and one chunk's activations; nothing per response.
 
-Served so far: one rank of each model-parallel kind (no TP, CP or PP, no sequence parallelism)
+Pipeline parallelism: the same sweep stage to stage through Megatron's schedule, one call per
+chunk (``pipeline.prompt_backward_pp``); each stage injects its own layers' entries.
+
+Tensor parallelism: each rank's state and buffers hold its own heads (a replicated state, as
+MLA's latents, gets each rank's partial gradient, summed by the recompute's own backward, as in
+full backprop); under sequence parallelism the chunk's padding rows keep no state and get none of
+the injected gradients. Expert parallelism over data-parallel ranks: the ranks' chunk counts
+differ, so each chunk is one round of ``expert_lockstep.ExpertLockstep`` (with backward).
+
+Context parallelism: each rank recomputes its own shard of every chunk, the chunk's queries
+travelling as in capture, through collectives whose backward communicates too
+(``cp_attention.cp_sweep_attention``, ``cp_sparse_attention.cp_sweep_sparse_latent_attention``,
+Gated DeltaNet's fold through ``collectives.all_gather_rows_with_grad``): each rank's pages get
+their complete gradient there. A value replicated over the ranks (a recurrent layer's state and
+conv tail at a chunk's start or end) gets its gradient once: injected on the last rank, and at the
+chunk's start summed over the ranks. Every rank backpropagates every layer of every chunk (a zero
+gradient at the final norm's input but on the last rank in the last chunk), so the backward
+collectives pair up. Replay leaves the same gradients on every CP rank; the sweep's shares
+differ by rank, so the replicated ones stay on the first CP rank only and the sum over CP at the
+end gives every rank the full gradient, as after a detached replay (``core/collectives.py``).
+
+Served so far: TP (with or without sequence parallelism), CP (not with PP), EP (not with TP, CP
+or PP), PP,
 and stateful layers with ``supports_prompt_gradient``: full attention and Gated DeltaNet (the
 Qwen3.5 family), absorbed MLA with DSA (GLM-5: the MLA latents carry gradient; the DSA indexer's
 keys do not, its top-k is recomputed without grad as in capture). A MoE layer is recomputed like
@@ -26,24 +48,29 @@ import contextlib
 from typing import Callable, ContextManager, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_longstraw.core.binding import Mode, bind, stateful_modules
+from megatron_longstraw.core.collectives import all_gather_rows, context_parallel_group
 from megatron_longstraw.core.state import PromptState
 from megatron_longstraw.core.state_grad import SweepTargets
-from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, embed, sequence_parallel
+from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
+from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, embed, without_activation_recompute
+from megatron_longstraw.longstraw.pipeline import pipeline_parallel, prompt_backward_pp
 
 
 def check_prompt_gradient_support(model) -> None:
     """``ValueError`` naming ``--prompt-gradient exact`` and the first thing it cannot serve yet."""
     flag = "--prompt-gradient exact"
-    for name, size in (("tensor-model", parallel_state.get_tensor_model_parallel_world_size()),
-                       ("context", parallel_state.get_context_parallel_world_size()),
-                       ("pipeline-model", parallel_state.get_pipeline_model_parallel_world_size())):
-        if size > 1:
-            raise ValueError(f"{flag} is not supported with --{name}-parallel-size {size} > 1 yet")
-    if sequence_parallel(model):
-        raise ValueError(f"{flag} is not supported with --sequence-parallel yet")
+    cp, pp = parallel_state.get_context_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()
+    if cp > 1 and pp > 1:
+        raise ValueError(f"{flag} is not supported with --context-parallel-size {cp} and "
+                         f"--pipeline-model-parallel-size {pp} both > 1 yet")
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep > 1 and max(parallel_state.get_tensor_model_parallel_world_size(), cp, pp) > 1:
+        raise ValueError(f"{flag} is not supported with --expert-model-parallel-size {ep} > 1 together with "
+                         "tensor, context or pipeline parallelism yet")
     for name, module in stateful_modules(model).items():
         if not getattr(module, "supports_prompt_gradient", False):
             raise ValueError(f"{flag}: layer kind {type(module).__name__} ({name}) cannot backpropagate "
@@ -62,22 +89,99 @@ def prompt_backward(model, state: PromptState, prompt_ids_BS: torch.Tensor,
     if prompt_ids_BS.shape[1] != state.prompt_length or not state.chunk_starts:
         raise ValueError(f"prompt of {prompt_ids_BS.shape[1]} tokens for a prompt state of "
                          f"{state.prompt_length} tokens")
-    ends = state.chunk_starts[1:] + (state.prompt_length,)
-    chunks = list(zip(state.chunk_starts, ends))
+    with without_activation_recompute(model):  # (see there: injected gradients need the chunk's graph)
+        if pipeline_parallel():  # one schedule call per chunk, stage to stage
+            prompt_backward_pp(model, state, prompt_ids_BS, chunk_context)
+        else:
+            _sweep(model, state, prompt_ids_BS, chunk_context)
+
+
+def _sweep(model, state: PromptState, prompt_ids_BS: torch.Tensor,
+           chunk_context: Optional[Callable[[int], ContextManager]]) -> None:
+    """The chunk loop of ``prompt_backward`` on this rank (its CP shard of every chunk)."""
+    cp_group = context_parallel_group()
+    chunks = _sweep_chunks(state, cp_group)
+    if cp_group is not None:
+        _count_replicated_gradients_once(model, cp_group)
+    lockstep = ExpertLockstep(model, backward=True)  # EP over data-parallel ranks: chunk counts differ
     for index in reversed(range(len(chunks))):
-        start, end = chunks[index]
+        start, end, shard_sizes, local_offset = chunks[index]
         targets = SweepTargets()
-        last = index == len(chunks) - 1
-        final_norm = FinalNormInput(model, keep_graph=True) if last else None
+        # under CP the last position is on the last rank
+        last = index == len(chunks) - 1 and (cp_group is None or dist.get_rank(cp_group) == cp_group.size() - 1)
+        # under the lockstep every chunk's backward reaches the last layer (a zero gradient at its
+        # output but in the last chunk), so each round backpropagates every MoE layer; under CP
+        # so that every rank runs every layer's backward collectives
+        reach_all = lockstep.active or cp_group is not None
+        final_norm = FinalNormInput(model, keep_graph=True) if last or reach_all else None
+        lockstep.busy()
         try:
-            # backward inside the binding: recomputed layers re-run forward in the same mode
             around = chunk_context(index) if chunk_context is not None else contextlib.nullcontext()
             with around, torch.enable_grad(), bind(model, Mode.SWEEP, state, position_offset=start,
-                                                   valid_length=end - start, sweep=targets):
+                                                   valid_length=end - start, sweep=targets,
+                                                   shard_sizes=shard_sizes, local_offset=local_offset):
                 decode(model, embed(model, prompt_ids_BS[:, start:end], start), start)
-                if last:  # the final norm's input at the last position, read by every response
-                    targets.inject(final_norm.input_SBH[-1:], state.last_hidden_grad_1BH)
+                if final_norm is not None:  # the final norm's input at the last position (every
+                    last_row_1BH = final_norm.last_row_1BH(end - start)  # response reads it)
+                    grad_1BH = state.last_hidden_grad_1BH if last else torch.zeros_like(last_row_1BH)
+                    targets.inject(last_row_1BH, grad_1BH)
                 targets.backward()
         finally:
             if final_norm is not None:
                 final_norm.remove()
+    lockstep.finish()
+    if cp_group is not None:
+        _sum_gradients(model, cp_group)
+
+
+def _sweep_chunks(state: PromptState, cp_group) -> list[tuple[int, int, Optional[tuple[int, ...]], int]]:
+    """``[(first position, end, shard sizes, local offset)]`` of this rank's part of every capture
+    chunk: the chunk itself without CP (no shard sizes; the local offset is the position), under
+    CP this rank's shard, the chunk's shard sizes (from every rank's shard starts) and the rows of
+    this rank's state before the shard."""
+    if cp_group is None:
+        ends = state.chunk_starts[1:] + (state.prompt_length,)
+        return [(start, end, None, start) for start, end in zip(state.chunk_starts, ends)]
+    cp, rank, count = cp_group.size(), dist.get_rank(cp_group), len(state.chunk_starts)
+    starts = torch.tensor(state.chunk_starts, dtype=torch.int64, device=state.device)
+    by_rank = [part.tolist() for part in all_gather_rows(starts, (count,) * cp, cp_group)]
+    chunks, local = [], 0
+    for c in range(count):
+        bounds = [by_rank[r][c] for r in range(cp)] + [by_rank[0][c + 1] if c + 1 < count else state.prompt_length]
+        sizes = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        chunks.append((bounds[rank], bounds[rank + 1], sizes, local))
+        local += sizes[rank]
+    return chunks
+
+
+def _gradient(param) -> Optional[torch.Tensor]:
+    """Where ``param``'s gradient accumulates: Megatron DDP's ``main_grad`` when wrapped, else ``grad``."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def _count_replicated_gradients_once(model, cp_group) -> None:
+    """Before a sweep under CP every CP rank holds the same gradients (replay's, replicated:
+    ``core/collectives.py``); they stay on the group's first rank only, so that the sum of the
+    ranks' gradients after the sweep (``_sum_gradients``) counts them once."""
+    if dist.get_rank(cp_group) == 0:
+        return
+    for param in model.parameters():
+        grad = _gradient(param)
+        if grad is not None:
+            grad.zero_()
+
+
+def _sum_gradients(model, cp_group) -> None:
+    """Every parameter's gradient summed over the CP group: each rank's sweep adds the gradient of
+    its own shards only. A parameter without a gradient on some ranks gets zeros there first."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = next(iter(params)).device
+    present = torch.tensor([_gradient(p) is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX, group=cp_group)
+    for param, any_rank in zip(params, present.tolist()):
+        if not any_rank:
+            continue
+        if _gradient(param) is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(_gradient(param), group=cp_group)

@@ -55,8 +55,7 @@ def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor
         calibrate_gradient_scales(model, lambda: replay_responses(
             model, state, responses[:micro_batch_size], loss_fn, micro_batch_size))
     if pipeline_parallel():  # Megatron's schedule, one micro-batch per micro_batch_size responses
-        assert not exact, "exact prompt gradients under pipeline parallelism are refused at start-up"
-        return replay_responses_pp(model, state, responses, loss_fn, micro_batch_size)
+        return replay_responses_pp(model, state, responses, loss_fn, micro_batch_size, exact=exact)
     losses = []
     for ids_BR, mask_RB, indices in micro_batches(responses, micro_batch_size):
         # backward inside the binding: recomputed layers re-run forward against the state

@@ -11,7 +11,11 @@ Under context parallelism (``core/collectives.py``) the bound forward keeps ever
 on every CP rank (Megatron's own CP splits heads by all-to-all; LongStraw shards the sequence):
 capture hands the recurrent state and the conv tail across the chunk's CP shards exactly
 (``_capture_cp_*``), so the state after the prompt is replicated on every CP rank and replay
-runs unchanged (each rank replays the whole, replicated, response).
+runs unchanged (each rank replays the whole, replicated, response). The reverse sweep of
+``--prompt-gradient exact`` recomputes a shard with the same hand-over, gathered with autograd
+(``collectives.all_gather_rows_with_grad``): the chunk's start state enters every rank through an
+all-reduce backward (its gradient sums every rank's share), and its final state, replicated, gets
+its accumulated gradient on the last rank only.
 """
 
 import contextlib
@@ -22,9 +26,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.ssm.gated_delta_net import gdn as mcore_gdn
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix
-from megatron_longstraw.core.collectives import all_gather_rows, context_parallel_group
+from megatron_longstraw.core.collectives import all_gather_rows, all_gather_rows_with_grad, context_parallel_group
 from megatron_longstraw.core.state import LayerState
 from megatron_longstraw.core.state_grad import read_with_grad
 
@@ -56,13 +61,14 @@ def _batch_to(state: torch.Tensor, batch: int) -> torch.Tensor:
     return state if state.shape[0] == batch else state.expand(batch, *state.shape[1:]).contiguous()
 
 
-def _capture_cp_conv(tail_BCW: torch.Tensor, qkv_BSC: torch.Tensor, shard_sizes, group):
+def _capture_cp_conv(tail_BCW: torch.Tensor, qkv_BSC: torch.Tensor, shard_sizes, group, gather=all_gather_rows):
     """Conv tails across a chunk's CP shards: ``(this shard's initial tail, the chunk's final
     tail)``, both ``[b, channels, kernel - 1]``, from the tail before the chunk and every shard's
-    last ``kernel - 1`` conv inputs (all-gathered; shards shorter than that pass on part of it)."""
+    last ``kernel - 1`` conv inputs (all-gathered by ``gather``, with autograd in the reverse
+    sweep; shards shorter than that pass on part of it)."""
     width = tail_BCW.shape[-1]
     rank = dist.get_rank(group)
-    lasts = all_gather_rows(qkv_BSC[:, -width:], tuple(min(n, width) for n in shard_sizes), group, dim=1)
+    lasts = gather(qkv_BSC[:, -width:], tuple(min(n, width) for n in shard_sizes), group, dim=1)
     own = None
     for r, last_BSC in enumerate(lasts):
         if r == rank:
@@ -71,14 +77,15 @@ def _capture_cp_conv(tail_BCW: torch.Tensor, qkv_BSC: torch.Tensor, shard_sizes,
     return own, tail_BCW
 
 
-def _capture_cp_recurrent(start_BHKV: torch.Tensor, transition_BHKX: torch.Tensor, value_dim: int, group):
+def _capture_cp_recurrent(start_BHKV: torch.Tensor, transition_BHKX: torch.Tensor, value_dim: int, group,
+                          gather=all_gather_rows):
     """Recurrent states across a chunk's CP shards: ``(this shard's start state, the chunk's
     final state)`` from the state before the chunk and every shard's transition
-    ``[B | A]`` (``S_end = A S_start + B``), all-gathered and folded in rank order (so every rank
-    computes the same final state, bit for bit)."""
+    ``[B | A]`` (``S_end = A S_start + B``), all-gathered by ``gather`` (with autograd in the
+    reverse sweep) and folded in rank order (so every rank computes the same final state, bit
+    for bit)."""
     rank = dist.get_rank(group)
-    parts = [torch.empty_like(transition_BHKX) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, transition_BHKX.contiguous(), group=group)
+    parts = gather(transition_BHKX, (transition_BHKX.shape[0],) * dist.get_world_size(group), group)
     compute = torch.promote_types(transition_BHKX.dtype, torch.float32)
     state = start_BHKV.to(compute)
     own = None
@@ -134,10 +141,12 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         mode, state = binding.mode, binding.state
         cp_group = context_parallel_group()
         cp_capture = cp_group is not None and mode == Mode.CAPTURE
+        cp_sweep = cp_group is not None and mode == Mode.SWEEP  # a shard of a chunk, with autograd
+        gather = all_gather_rows_with_grad if cp_sweep else all_gather_rows
         if cp_group is not None and mode == Mode.REFERENCE:
             raise ValueError(f"LongStraw Gated DeltaNet: the full-graph baseline (--replay-mode full) "
                              f"is not supported with --context-parallel-size {cp_group.size()} > 1")
-        if cp_capture and binding.shard_sizes is None:
+        if (cp_capture or cp_sweep) and binding.shard_sizes is None:
             raise ValueError("LongStraw Gated DeltaNet: capture under context parallelism needs the "
                              "chunk's shard sizes (use capture_prompt)")
         prefix = binding.prefix_length if mode == Mode.REFERENCE else 0
@@ -146,10 +155,13 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         updates = mode in (Mode.CAPTURE, Mode.DECODE, Mode.SWEEP)  # computes its final state
         if stateful:
             start_recurrent, start_tail = self._start_state(binding)
+            if cp_sweep:  # one start state, read on every rank: its gradient sums every rank's
+                start_recurrent, start_tail = (copy_to_tensor_model_parallel_region(t, group=cp_group)
+                                               for t in (start_recurrent, start_tail))
 
         qkvzba_BSX = self.in_proj(hidden_states)[0].transpose(0, 1)
         padded_len = qkvzba_BSX.shape[1]
-        if mode in (Mode.CAPTURE, Mode.DECODE) and binding.valid_length is not None:
+        if mode in (Mode.CAPTURE, Mode.DECODE, Mode.SWEEP) and binding.valid_length is not None:
             # sequence parallelism pads the tokens at the end: the state runs over the real ones
             qkvzba_BSX = qkvzba_BSX[:, :binding.valid_length]
         batch, seq_len = qkvzba_BSX.shape[:2]
@@ -162,8 +174,8 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         conv_state = chunk_tail = None
         if stateful:  # fla's conv state is [b, channels, kernel]
             tail = _batch_to(start_tail, batch)
-            if cp_capture:
-                tail, chunk_tail = _capture_cp_conv(tail, qkv, binding.shard_sizes, cp_group)
+            if cp_capture or cp_sweep:
+                tail, chunk_tail = _capture_cp_conv(tail, qkv, binding.shard_sizes, cp_group, gather)
             conv_state = torch.cat([tail.new_zeros(batch, tail.shape[1], 1), tail], dim=-1)
         qkv, conv_final = mcore_gdn.causal_conv1d(
             x=detach_prefix(qkv, prefix, 1), weight=self.conv1d.weight.squeeze(1),
@@ -176,8 +188,9 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
         key, value, g, beta = (detach_prefix(t, prefix, 1) for t in (key, value, g, beta))
 
-        if cp_capture:
-            core_out, recurrent_final = self._capture_cp_delta_rule(query, key, value, g, beta, state, cp_group)
+        if cp_capture or cp_sweep:
+            core_out, recurrent_final = self._capture_cp_delta_rule(query, key, value, g, beta, start_recurrent,
+                                                                    cp_group, gather)
         else:
             recurrent = _batch_to(start_recurrent, batch) if stateful else None
             core_out, recurrent_final = self.gated_delta_rule(
@@ -185,8 +198,13 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
                 output_final_state=updates, use_qk_l2norm_in_kernel=False,
             )
         if sweep:  # the chunk's final state receives its accumulated gradient
-            binding.sweep.inject(recurrent_final, state.grads.buffer("recurrent_BHKV"))
-            binding.sweep.inject(conv_final[:, :, 1:], state.grads.buffer("conv_tail_BCW"))
+            grad_recurrent, grad_tail = state.grads.buffer("recurrent_BHKV"), state.grads.buffer("conv_tail_BCW")
+            if cp_sweep and dist.get_rank(cp_group) < dist.get_world_size(cp_group) - 1:
+                # the final state is one value replicated on every rank: its gradient enters once,
+                # on the last rank; zeros elsewhere, so that every rank runs the fold's backward
+                grad_recurrent, grad_tail = torch.zeros_like(grad_recurrent), torch.zeros_like(grad_tail)
+            binding.sweep.inject(recurrent_final, grad_recurrent)
+            binding.sweep.inject(conv_final[:, :, 1:] if chunk_tail is None else chunk_tail, grad_tail)
         elif updates:
             state.recurrent_BHKV.copy_(recurrent_final)
             state.conv_tail_BCW.copy_(conv_final[:, :, 1:] if chunk_tail is None else chunk_tail)
@@ -235,12 +253,14 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         binding.sweep.then(hand_on)
         return read_with_grad(recurrent, grad_recurrent), read_with_grad(tail, grad_tail)
 
-    def _capture_cp_delta_rule(self, query, key, value, g, beta, state, cp_group):
-        """The delta rule on this rank's shard of a chunk, exact across the CP shards (see the
-        module doc of ``core/collectives.py``): a first kernel call from ``[0 | I]`` with
-        values ``[v | 0]`` gives the shard's transition ``[B | A]``; the fold gives this shard's
-        start state, from which a second, ordinary call computes the output (so the output is the
-        kernel's own, not a zero-start output plus a bf16-rounded correction)."""
+    def _capture_cp_delta_rule(self, query, key, value, g, beta, start_BHKV, cp_group, gather=all_gather_rows):
+        """The delta rule on this rank's shard of a chunk from the chunk's start state
+        ``start_BHKV``, exact across the CP shards (see the module doc of
+        ``core/collectives.py``): a first kernel call from ``[0 | I]`` with values ``[v | 0]``
+        gives the shard's transition ``[B | A]``; the fold (``gather``: with autograd in the
+        reverse sweep) gives this shard's start state, from which a second, ordinary call
+        computes the output (so the output is the kernel's own, not a zero-start output plus a
+        bf16-rounded correction)."""
         batch, _, heads, dim_k = key.shape
         dim_v = value.shape[-1]
         eye = torch.eye(dim_k, dtype=torch.float32, device=key.device)
@@ -251,9 +271,9 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
             query, key, value_aug, g=g, beta=beta, initial_state=start_BHKX,
             output_final_state=True, use_qk_l2norm_in_kernel=False,
         )
-        own_start, final = _capture_cp_recurrent(state.recurrent_BHKV, transition, dim_v, cp_group)
+        own_start, final = _capture_cp_recurrent(start_BHKV, transition, dim_v, cp_group, gather)
         core_out, _ = self.gated_delta_rule(
-            query, key, value, g=g, beta=beta, initial_state=own_start.to(state.recurrent_BHKV.dtype).contiguous(),
+            query, key, value, g=g, beta=beta, initial_state=own_start.to(start_BHKV.dtype).contiguous(),
             output_final_state=False, use_qk_l2norm_in_kernel=False,
         )
         return core_out, final

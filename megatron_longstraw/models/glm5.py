@@ -44,8 +44,9 @@ for the first ``first_k_dense_replace`` layers (HF ``mlp_layer_types == "dense"`
   token as the full graph does (routing is per token, no capacity or token dropping, the same
   ``expert_bias``: it only changes at the optimizer step), so gradients are exact. What differs
   is the expert-bias token count: the sweep runs with grad, so it counts every prompt token once
-  (capture counts none; the full-graph baseline counts the prompt once per response, detached
-  replay never), and the step's bias update sees the prompt's routing once. Aux, sequence-aux
+  (under sequence parallelism a chunk's padding rows too; expert-parallel idle rounds count
+  nothing; capture counts none; the full-graph baseline counts the prompt once per response,
+  detached replay never), and the step's bias update sees the prompt's routing once. Aux, sequence-aux
   and z losses, which a recompute would add once more, are off for GLM-5
   (``moe_router_load_balancing_type="none"``, ``moe_aux_loss_coeff=0``, no z-loss).
 - LongStraw prompt state (``glm5_state``): per layer the MLA latent ``[c_kv ; k_rope]`` of every

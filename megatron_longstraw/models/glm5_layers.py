@@ -20,8 +20,9 @@ LongStraw (capture/replay/decode, ``longstraw.binding``): ``LongStrawAbsorbedMLA
 owns the MLA latent state, ``LongStrawDSAIndexer`` the indexer keys (``glm5_state``), and
 ``LongStrawDSAttention`` attends new tokens over ``[prompt state; new tokens]``
 (``prefix_sparse_attention``), or in decode over ``[shared prompt state; the sample's own
-tokens]`` (``glm5_decode``). Under context parallelism capture and replay select the top-k and
-attend over every CP rank's shard (``attention/cp_sparse_attention.py``); decoding is refused.
+tokens]`` (``glm5_decode``). Under context parallelism capture, replay and the prompt sweep select
+the top-k and attend over every CP rank's shard (``attention/cp_sparse_attention.py``); decoding is
+refused.
 The indexer and the sparse attention run their blockwise kernels with their ``kernel_options``
 (``attention/kernel_options.py``), which the model build sets. Unbound, all three are
 Megatron's modules unchanged.
@@ -42,7 +43,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longstraw.attention.cp_sparse_attention import (
-    chunk_query_positions, cp_index_topk, cp_sparse_latent_attention, up_project)
+    chunk_query_positions, cp_index_topk, cp_sparse_latent_attention, cp_sweep_sparse_latent_attention, up_project)
 from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise, sparse_latent_attention
 from megatron_longstraw.attention.kernel_options import KernelOptions, UsesKernelOptions
 from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
@@ -129,9 +130,9 @@ class RopeOffset:
 def _refuse_unsupported(module, what: str, packed_seq_params=None, inference_context=None, mode=None) -> None:
     if packed_seq_params is not None or inference_context is not None:
         raise ValueError(f"LongStraw {what}: packed sequences and inference are not supported")
-    if module.pg_collection.cp.size() > 1 and mode not in (Mode.CAPTURE, Mode.REPLAY):
-        raise ValueError(f"LongStraw {what}: under context parallelism only capture and replay are "
-                         f"supported (not {getattr(mode, 'value', mode)}); sample with "
+    if module.pg_collection.cp.size() > 1 and mode not in (Mode.CAPTURE, Mode.REPLAY, Mode.SWEEP):
+        raise ValueError(f"LongStraw {what}: under context parallelism only capture, replay and the "
+                         f"prompt sweep are supported (not {getattr(mode, 'value', mode)}); sample with "
                          "--rollout-source jsonl")
 
 
@@ -224,10 +225,13 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
 
     def _topk_context_parallel(self, q, k, weights, binding, group):
         """Global top-k positions over every CP rank's keys (``cp_index_topk``): in CAPTURE for all
-        of the chunk's queries (all-gathered), in REPLAY for the replicated response."""
+        of the chunk's queries (all-gathered), in SWEEP the same over the keys before the chunk
+        (not appended again), in REPLAY for the replicated response."""
         state, relu = binding.state, self.config.dsa_indexer_scoring_relu
         pages, pages_pos = state.filled(), state.filled_positions()
-        if binding.mode == Mode.CAPTURE:
+        if binding.mode == Mode.SWEEP:  # this rank's keys before the chunk's shard
+            pages, pages_pos = pages[:binding.local_offset], pages_pos[:binding.local_offset]
+        if binding.mode in (Mode.CAPTURE, Mode.SWEEP):
             sizes = binding.shard_sizes
             _, query_pos = chunk_query_positions(binding, group, q.device)
             own_pos = torch.arange(binding.position_offset, binding.position_offset + k.shape[0], device=q.device)
@@ -235,7 +239,8 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
                                  torch.cat(all_gather_rows(weights, sizes, group)),
                                  [(pages, pages_pos), (k, own_pos)], query_pos,
                                  self.index_topk, int(query_pos[-1]) + 1, relu, group, options=self.kernel_options)
-            state.append(k)
+            if binding.mode == Mode.CAPTURE:
+                state.append(k)
             return topk
         query_pos = torch.arange(binding.position_offset, binding.position_offset + q.shape[0], device=q.device)
         return cp_index_topk(q, weights, [(pages, pages_pos)], query_pos, self.index_topk, int(query_pos[-1]) + 1,
@@ -275,30 +280,32 @@ class LongStrawDSAttention(DSAttention, UsesKernelOptions):
         topk = self._topk(x.detach(), qr.detach(), lambda x, qr: self.indexer.topk_after_prefix(x, qr))
         group = context_parallel_group()
         if group is not None:
-            return self._attention_context_parallel(query_SBNK, key_SB1K.squeeze(2), topk, up_v_weight,
-                                                    binding, group)
+            return self._attention_context_parallel(query_SBNK, key_SB1K.squeeze(2), prefix_key_SBK, topk,
+                                                    up_v_weight, binding, group)
         return prefix_sparse_attention(query_SBNK, key_SB1K.squeeze(2), prefix_key_SBK, topk,
                                        up_v_weight, self.softmax_scale, self.config, self.kernel_options)
 
-    def _attention_context_parallel(self, query_SBNK, key_SBK, topk_BSK, up_v_weight, binding, group):
+    def _attention_context_parallel(self, query_SBNK, key_SBK, pages_SBK, topk_BSK, up_v_weight, binding, group):
         """``cp_sparse_latent_attention`` over every CP rank's latents: in CAPTURE all the chunk's
-        queries over this rank's pages and shard of the chunk (this rank's rows returned), in
-        REPLAY the replicated response over the pages plus its own latents."""
-        state, v_channels = binding.state, self.config.kv_lora_rank
-        pages, pages_pos = state.filled(), state.filled_positions()
-        if binding.mode == Mode.CAPTURE:
-            sizes = binding.shard_sizes
+        queries over this rank's pages ``pages_SBK`` (its first rows) and shard of the chunk (this
+        rank's rows returned), in SWEEP the same with autograd (``cp_sweep_sparse_latent_attention``),
+        in REPLAY the replicated response over the pages plus its own latents."""
+        v_channels = self.config.kv_lora_rank
+        pages = (pages_SBK, binding.state.filled_positions()[:pages_SBK.shape[0]])
+        own_pos = torch.arange(binding.position_offset, binding.position_offset + key_SBK.shape[0],
+                               device=query_SBNK.device)
+        if binding.mode == Mode.SWEEP:
+            out = cp_sweep_sparse_latent_attention(query_SBNK, [pages, (key_SBK, own_pos)], topk_BSK,
+                                                   self.softmax_scale, v_channels, binding.shard_sizes, group,
+                                                   options=self.kernel_options)
+        elif binding.mode == Mode.CAPTURE:
             mine, _ = chunk_query_positions(binding, group, query_SBNK.device)
-            own_pos = torch.arange(binding.position_offset, binding.position_offset + key_SBK.shape[0],
-                                   device=query_SBNK.device)
             out = cp_sparse_latent_attention(
-                torch.cat(all_gather_rows(query_SBNK, sizes, group)), [(pages, pages_pos), (key_SBK, own_pos)],
+                torch.cat(all_gather_rows(query_SBNK, binding.shard_sizes, group)), [pages, (key_SBK, own_pos)],
                 topk_BSK, self.softmax_scale, v_channels, group,
                 options=self.kernel_options)[mine:mine + key_SBK.shape[0]]
         else:
-            own_pos = torch.arange(binding.position_offset, binding.position_offset + key_SBK.shape[0],
-                                   device=query_SBNK.device)
-            out = cp_sparse_latent_attention(query_SBNK, [(pages, pages_pos)], topk_BSK, self.softmax_scale,
+            out = cp_sparse_latent_attention(query_SBNK, [pages], topk_BSK, self.softmax_scale,
                                              v_channels, group, own_keys_TBK=key_SBK, own_pos_T=own_pos,
                                              options=self.kernel_options)
         return up_project(out, up_v_weight)
@@ -407,8 +414,12 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
     def _forward_sweep(self, q_absorbed, kv_latent, hidden_states, q_compressed, v_up_weight, binding):
         """The reverse sweep's recomputed chunk (``Mode.SWEEP``): its queries over the latents
         of the positions before it (their gradients go into the latents' buffer) and its own
-        latents, which receive their rows' accumulated gradients; ``[s, b, heads * v]``."""
+        latents, which receive their rows' accumulated gradients; ``[s, b, heads * v]``. Under CP
+        the chunk is this rank's shard and the latents before it are this rank's first
+        ``binding.local_offset`` rows (the queries travel: ``cp_sweep_sparse_latent_attention``)."""
         start, valid = binding.position_offset, binding.valid_length or q_absorbed.shape[0]
+        if binding.local_offset is not None:  # the rows of this rank's state before the chunk (CP)
+            start = binding.local_offset
         state, grad_SBD = binding.state, binding.state.grads.buffer("latent_SBD")
         if start + valid > state.length:
             raise RuntimeError(f"LongStraw MLA: swept chunk [{start}, {start + valid}) beyond the "

@@ -13,6 +13,8 @@ package monkeypatches Megatron. Current patches:
   models (Megatron's gates in fp32; no change below fp64).
 - ``moe_router_precision`` (everywhere): the MoE router's sigmoid / sqrt-softplus probabilities
   keep fp64 for fp64 logits (Megatron's in fp32; same selection; no change below fp64).
+- ``cross_entropy_precision`` (everywhere): Megatron's vocab-parallel cross entropy keeps fp64
+  for fp64 logits (Megatron's in fp32; no change below fp64).
 - ``no_compile`` (CPU, or a GPU process with ``LONGSTRAW_NO_COMPILE=1``: the GPU test tier):
   Megatron's ``torch.compile``'d helpers run eagerly.
 
@@ -39,6 +41,7 @@ PATCHES = (
     "dsa_promote_precision",
     "attention_gate_precision",
     "moe_router_precision",
+    "cross_entropy_precision",
     "cpu_current_device",
     "cpu_rng_tracker",
     "cpu_gated_delta_kernels",

@@ -143,9 +143,12 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
     # the loss and its metrics exist on the last stage; the prompt state is spread over the stages
     metrics = from_last_stage(_group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, args)
                               if parallel_state.is_pipeline_last_stage() else None)
-    total_bytes = torch.tensor(float(state_bytes), dtype=torch.float64, device=prompt_ids_1S.device)
+    total_bytes = torch.tensor([float(state_bytes), float(state_grad_bytes)], dtype=torch.float64,
+                               device=prompt_ids_1S.device)
     torch.distributed.all_reduce(total_bytes, group=parallel_state.get_pipeline_model_parallel_group())
-    metrics["prompt/state_bytes"] = total_bytes.item()
+    metrics["prompt/state_bytes"] = total_bytes[0].item()
+    if exact and args.replay_mode == "longstraw":
+        metrics["prompt/state_grad_bytes"] = total_bytes[1].item()
     return metrics
 
 
