@@ -4,8 +4,8 @@ prompt state of its own layers (PP=1's state of those layers), the last stage's 
 and replay through ``get_forward_backward_func()`` gives PP=1's losses and per-parameter
 gradients (fp64), for Qwen3.5 and a GLM-5 variant (every indexer layer ``full``: the debug
 preset's shared layer cannot be split evenly). The same spawns check ``--prompt-gradient exact``
-(PP=2, with virtual stages, and PP=2 x TP=2 with sequence parallelism) against one rank's full
-backprop with nothing detached."""
+(PP=2, with virtual stages, PP=2 x TP=2 with sequence parallelism and PP=2 x CP=2) against one
+rank's full backprop with nothing detached."""
 
 import pytest
 import torch
@@ -123,6 +123,13 @@ def _exact_errors(hf, full_grads) -> dict:
     local = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     errors = tp_grad_errors(model, local, {n: full_grads[rename(n)] for n in local}, scale_floor=1e-30)
     return {rename(n): e for n, e in errors.items()}
+
+
+def _exact_cp_grads(hf) -> dict:
+    """PP x CP: this rank's exact gradients by global name (each CP rank's sum over its group)."""
+    model = _exact_model(hf, 1)
+    rename = pipeline_global_names(model)
+    return {rename(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _pp_worker(hfs):
@@ -268,8 +275,9 @@ def test_pp2_exact_prompt_gradient_equals_full_backprop(all_runs, full_backprop,
 
 LAYOUTS = ("cp2", "tp2-sp", "cp2-vpp2", "tp2-sp-vpp2")
 def _pp_layouts_worker(hfs, reference_grads, full_grads):
-    """Each layout of ``LAYOUTS`` in turn in this rank (one spawn for both; a store port each);
-    under TP also ``--prompt-gradient exact`` (``_exact_errors``)."""
+    """Each layout of ``LAYOUTS`` in turn in this rank (one spawn for both; a store port each),
+    each also with ``--prompt-gradient exact`` (``_exact_errors`` under TP, ``_exact_cp_grads``
+    under CP)."""
     from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
@@ -286,6 +294,8 @@ def _pp_layouts_worker(hfs, reference_grads, full_grads):
                            for name, hf in hfs.items()}
             if tp:
                 out[f"{layout}-exact"] = {name: _exact_errors(hf, full_grads[name]) for name, hf in hfs.items()}
+            else:
+                out[f"{layout}-exact"] = {name: _exact_cp_grads(hf) for name, hf in hfs.items()}
         finally:
             destroy_distributed()
     return out
@@ -354,6 +364,23 @@ def test_pp2_tp2_sequence_parallel_exact_prompt_gradient_equals_full_backprop(la
         assert set(errors) == set(full_backprop[preset]), preset
         name = max(errors, key=errors.get)
         assert errors[name] <= 1e-9, f"{layout} {preset} {name}: relative gradient error {errors[name]}"
+
+
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout.startswith("cp2")])
+def test_pp2_cp2_exact_prompt_gradient_equals_full_backprop(layout_runs, full_backprop, layout):
+    """``--prompt-gradient exact`` under PP=2 x CP=2, also with two virtual stages per rank: the
+    sweep through Megatron's schedule, every stage recomputing its CP shard of each capture chunk
+    (chunks of 8, 8 and 5 tokens: shards 4|4, 4|4, 3|2) through its CP collectives with backward,
+    then the gradients summed over each stage's CP group; G = 2 with a 1-token response. On both
+    CP ranks, every parameter of the stage that holds it equals one rank's full backprop with
+    nothing detached to 1e-9 relative (fp64), for both families."""
+    hfs, spawned = layout_runs
+    for preset in hfs:
+        for inner in range(2):  # CP rank ``inner``: its two stages are ranks ``inner`` and ``inner + 2``
+            stages = [rank[f"{layout}-exact"][preset] for rank in spawned[inner::2]]
+            assert all(stages) and not set(stages[0]) & set(stages[1])
+            grads = {n: g for stage in stages for n, g in stage.items()}
+            assert_grads_match(grads, full_backprop[preset], 1e-9, f"{layout} {preset} cp rank {inner} exact")
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -97,14 +97,19 @@ def test_cp2_exact_gradients_equal_full_backprop(runs, preset):
         assert set(got) <= set(ref), f"rank {rank}: gradients of parameters full backprop leaves alone"
 
 
-def test_exact_refuses_context_with_pipeline_parallelism(monkeypatch):
-    """CP and PP together get one error naming the flag and both sizes."""
+def test_exact_serves_context_with_pipeline_parallelism_and_refuses_expert_with_them(monkeypatch):
+    """CP and PP together pass the check; EP together with them gets one error naming the flag
+    and the EP size."""
     from megatron.core import parallel_state
 
     from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support
 
     monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
-    with pytest.raises(ValueError, match=r"^--prompt-gradient exact is not supported with --context-parallel-size 2 "
-                                         r"and --pipeline-model-parallel-size 2 both > 1 yet$"):
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 1)
+    check_prompt_gradient_support(torch.nn.Module())
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"^--prompt-gradient exact is not supported with --expert-model-parallel-size "
+                                         r"2 > 1 together with tensor, context or pipeline parallelism yet$"):
         check_prompt_gradient_support(torch.nn.Module())

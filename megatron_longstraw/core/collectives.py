@@ -1,7 +1,7 @@
 """Context parallelism (CP) for LongStraw: the prompt state sharded over the CP group, and the
 low-level collectives every CP path uses (``context_parallel_group``, ``shard_plan``,
-``all_gather_rows``, ``broadcast_from_last``). The capture loop itself is
-``longstraw/capture.py``; with CP=1 it runs the trivial shard plan of this layout.
+``all_gather_rows``, ``broadcast_from_last``; the reverse sweep's ``sweep_chunks``). The capture
+loop itself is ``longstraw/capture.py``; with CP=1 it runs the trivial shard plan of this layout.
 
 Layout ("pages stay, queries travel"). The prompt is cut into global chunks of
 ``--prompt-chunk-size`` tokens (a last chunk shorter than the CP size is folded into the one
@@ -73,9 +73,13 @@ Not yet under CP: prompt batches larger than one, GLM-5 decoding, and the full-g
 (``Mode.REFERENCE``); each raises ``ValueError``.
 """
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from megatron_longstraw.core.state import PromptState
 
 
 def context_parallel_group():
@@ -107,6 +111,27 @@ def shard_plan(prompt_length: int, chunk_size: int, cp: int) -> list[tuple[int, 
         n = end - start
         plan.append((start, tuple(n // cp + (r < n % cp) for r in range(cp))))
     return plan
+
+
+def sweep_chunks(state: PromptState, cp_group) -> list[tuple[int, int, Optional[tuple[int, ...]], int]]:
+    """``[(first position, end, shard sizes, local offset)]`` of this rank's part of every capture
+    chunk of ``state``, for the reverse sweep of ``--prompt-gradient exact``: the chunk itself
+    without CP (``cp_group`` ``None``: no shard sizes; the local offset is the position), under
+    CP this rank's shard, the chunk's shard sizes (from every rank's shard starts) and the rows of
+    this rank's state before the shard. Every rank of ``cp_group`` calls it."""
+    if cp_group is None:
+        ends = state.chunk_starts[1:] + (state.prompt_length,)
+        return [(start, end, None, start) for start, end in zip(state.chunk_starts, ends)]
+    cp, rank, count = cp_group.size(), dist.get_rank(cp_group), len(state.chunk_starts)
+    starts = torch.tensor(state.chunk_starts, dtype=torch.int64, device=state.device)
+    by_rank = [part.tolist() for part in all_gather_rows(starts, (count,) * cp, cp_group)]
+    chunks, local = [], 0
+    for c in range(count):
+        bounds = [by_rank[r][c] for r in range(cp)] + [by_rank[0][c + 1] if c + 1 < count else state.prompt_length]
+        sizes = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        chunks.append((bounds[rank], bounds[rank + 1], sizes, local))
+        local += sizes[rank]
+    return chunks
 
 
 def all_gather_rows(x: torch.Tensor, sizes: tuple[int, ...], group, dim: int = 0) -> list[torch.Tensor]:

@@ -23,9 +23,10 @@ prompt state of those layers only.
   a group's metrics) reaches the other stages with ``from_last_stage``.
 
 With context parallelism the same capture loop passes each stage's CP shard of every chunk on
-through ``run_stages``; replay, scoring and decoding are these
-functions unchanged. Under sequence parallelism the stages pass the whole slice too (as every
-model step's interface is), each stage's decoder running on its TP rank's shard of it.
+through ``run_stages``; replay, scoring and decoding are these functions unchanged, and the
+reverse sweep's schedule call takes each stage's CP shard of the chunk (``prompt_backward_pp``).
+Under sequence parallelism the stages pass the whole slice too (as every model step's interface
+is), each stage's decoder running on its TP rank's shard of it.
 
 Virtual pipeline stages (``--num-virtual-stages-per-pipeline-rank``): the rank's model is a
 ``models.pipeline_stage.StageChunks``; ``run_stages`` takes each slice around the ring of ranks
@@ -43,6 +44,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_longstraw.core.binding import Mode, bind
+from megatron_longstraw.core.collectives import context_parallel_group, sweep_chunks
 from megatron_longstraw.core.state import PromptState
 from megatron_longstraw.core.state_grad import SweepTargets, read_with_grad
 from megatron_longstraw.longstraw.micro_batches import micro_batches, uniform_micro_batches
@@ -228,25 +230,38 @@ def prompt_backward_pp(model, state: PromptState, prompt_ids_BS: torch.Tensor,
     first stage embeds the chunk; every stage recomputes its layers in ``Mode.SWEEP`` and joins
     what its layers injected (and, on the last stage, the final norm's input at the prompt's last
     position) to its output, whose backward the schedule runs with the next stage's gradient.
-    Every stage calls it; parameter gradients accumulate in this stage's parameters."""
+    Every stage calls it; parameter gradients accumulate in this stage's parameters.
+
+    Under CP the micro-batch is this rank's shard of the chunk (``collectives.sweep_chunks``),
+    the layers' collectives with backward pairing up over the stage's CP group; the last stage
+    injects the final norm's input on every CP rank in every chunk (its gradient zero but on the
+    last CP rank in the last chunk), so that every CP rank backpropagates every layer. The sum
+    over CP around it is the caller's (``prompt_backward.prompt_backward``)."""
     check_pipeline(model)
-    assert parallel_state.get_context_parallel_world_size() == 1, "refused by check_prompt_gradient_support"
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if state.batch != 1:
         raise ValueError(f"pipeline-parallel prompt backward needs a prompt state of batch 1, got {state.batch}")
     chunks = model_chunks(model)
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     hidden_size, dtype = model.config.hidden_size, model.config.pipeline_dtype
-    ends = state.chunk_starts[1:] + (state.prompt_length,)
-    spans = list(zip(state.chunk_starts, ends))
+    cp_group = context_parallel_group()
+    spans = sweep_chunks(state, cp_group)  # under CP this rank's shard of every chunk
+    # under CP the prompt's last position is on the last CP rank
+    last_rank = cp_group is None or dist.get_rank(cp_group) == cp_group.size() - 1
     for index in reversed(range(len(spans))):
-        start, end = spans[index]
+        start, end, shard_sizes, local_offset = spans[index]
         targets = SweepTargets()
-        final_norm = FinalNormInput(last_chunk(model), keep_graph=True) if last and index == len(spans) - 1 else None
+        injects_last = last and last_rank and index == len(spans) - 1
+        # under CP the last stage's backward starts at the final norm's input in every chunk (a zero
+        # gradient but at the prompt's last position), so that every CP rank backpropagates every
+        # layer and the layers' backward collectives pair up
+        final_norm = (FinalNormInput(last_chunk(model), keep_graph=True)
+                      if last and (injects_last or cp_group is not None) else None)
         # the interleaved schedule runs micro-batches in groups of PP per chunk
         batches = [True] + [False] * ((pp - 1) if len(chunks) > 1 else 0)
 
-        def forward_step(data_iterator, chunk, start=start, end=end, targets=targets, final_norm=final_norm):
+        def forward_step(data_iterator, chunk, start=start, end=end, targets=targets, final_norm=final_norm,
+                         injects_last=injects_last):
             real = next(data_iterator)
             v = chunks.index(chunk)
             embeds, ends_model = first and v == 0, last and v == len(chunks) - 1
@@ -260,7 +275,9 @@ def prompt_backward_pp(model, state: PromptState, prompt_ids_BS: torch.Tensor,
             hidden_SBH = embed(chunk, prompt_ids_BS[:, start:end], start) if embeds else chunk.decoder.input_tensor
             hidden_SBH = decode(chunk, hidden_SBH, start)
             if final_norm is not None and ends_model:  # read by every response
-                targets.inject(final_norm.last_row_1BH(end - start), state.last_hidden_grad_1BH)
+                last_row_1BH = final_norm.last_row_1BH(end - start)
+                targets.inject(last_row_1BH, state.last_hidden_grad_1BH if injects_last
+                               else torch.zeros_like(last_row_1BH))
             injected, grads = targets.take(mark)
             if not ends_model:
                 return _WithInjected.apply(hidden_SBH, tuple(grads), *injected), None
@@ -272,11 +289,11 @@ def prompt_backward_pp(model, state: PromptState, prompt_ids_BS: torch.Tensor,
 
         around = chunk_context(index) if chunk_context is not None else contextlib.nullcontext()
         try:
-            # the schedule's backward inside the binding: recomputed layers re-run forward in the same mode
             with around, torch.enable_grad(), bind(model, Mode.SWEEP, state, position_offset=start,
-                                                   valid_length=end - start, sweep=targets):
+                                                   valid_length=end - start, sweep=targets,
+                                                   shard_sizes=shard_sizes, local_offset=local_offset):
                 _run_schedule(model, forward_step, batches, end - start, 1)
-                targets.take()  # what recomputation injected again during backward
+                assert not targets.outputs, "every injected tensor went in with its stage's output"
                 targets.backward()  # nothing left to backpropagate: the layers' after-backward steps
         finally:
             if final_norm is not None:

@@ -15,7 +15,9 @@ Memory: the state, its gradient buffers, the recurrent layers' chunk-start state
 ``exact`` capture) and one chunk's activations; nothing per response.
 
 Pipeline parallelism: the same sweep stage to stage through Megatron's schedule, one call per
-chunk (``pipeline.prompt_backward_pp``); each stage injects its own layers' entries.
+chunk (``pipeline.prompt_backward_pp``); each stage injects its own layers' entries. With CP too,
+each stage recomputes its CP shard of the chunk in that call, and the CP bookkeeping below runs
+per stage over its CP group.
 
 Tensor parallelism: each rank's state and buffers hold its own heads (a replicated state, as
 MLA's latents, gets each rank's partial gradient, summed by the recompute's own backward, as in
@@ -33,13 +35,14 @@ chunk's start summed over the ranks. Every rank backpropagates every layer of ev
 gradient at the final norm's input but on the last rank in the last chunk), so the backward
 collectives pair up. Replay leaves the same gradients on every CP rank; the sweep's shares
 differ by rank, so the replicated ones stay on the first CP rank only and the sum over CP at the
-end gives every rank the full gradient, as after a detached replay (``core/collectives.py``).
+end gives every rank the full gradient, as after a detached replay (``core/collectives.py``);
+``prompt_backward`` does both around the sweep, with or without PP.
 
-Served so far: TP (with or without sequence parallelism), CP (not with PP), EP (not with TP, CP
-or PP), PP,
-and stateful layers with ``supports_prompt_gradient``: full attention and Gated DeltaNet (the
-Qwen3.5 family), absorbed MLA with DSA (GLM-5: the MLA latents carry gradient; the DSA indexer's
-keys do not, its top-k is recomputed without grad as in capture). A MoE layer is recomputed like
+Served so far: TP (with or without sequence parallelism), CP, EP (not with TP, CP or PP), PP
+(with virtual stages, with TP + sequence parallelism, with CP), and stateful layers with
+``supports_prompt_gradient``: full attention and Gated DeltaNet (the Qwen3.5 family), absorbed
+MLA with DSA (GLM-5: the MLA latents carry gradient; the DSA indexer's keys do not, its top-k is
+recomputed without grad as in capture). A MoE layer is recomputed like
 any other; ``models/glm5.py`` says what the recompute adds to the router's expert-bias token
 counts. ``check_prompt_gradient_support`` names, with the flag, what is not served.
 """
@@ -52,7 +55,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_longstraw.core.binding import Mode, bind, stateful_modules
-from megatron_longstraw.core.collectives import all_gather_rows, context_parallel_group
+from megatron_longstraw.core.collectives import context_parallel_group, sweep_chunks
 from megatron_longstraw.core.state import PromptState
 from megatron_longstraw.core.state_grad import SweepTargets
 from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
@@ -64,9 +67,6 @@ def check_prompt_gradient_support(model) -> None:
     """``ValueError`` naming ``--prompt-gradient exact`` and the first thing it cannot serve yet."""
     flag = "--prompt-gradient exact"
     cp, pp = parallel_state.get_context_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()
-    if cp > 1 and pp > 1:
-        raise ValueError(f"{flag} is not supported with --context-parallel-size {cp} and "
-                         f"--pipeline-model-parallel-size {pp} both > 1 yet")
     ep = parallel_state.get_expert_model_parallel_world_size()
     if ep > 1 and max(parallel_state.get_tensor_model_parallel_world_size(), cp, pp) > 1:
         raise ValueError(f"{flag} is not supported with --expert-model-parallel-size {ep} > 1 together with "
@@ -89,20 +89,23 @@ def prompt_backward(model, state: PromptState, prompt_ids_BS: torch.Tensor,
     if prompt_ids_BS.shape[1] != state.prompt_length or not state.chunk_starts:
         raise ValueError(f"prompt of {prompt_ids_BS.shape[1]} tokens for a prompt state of "
                          f"{state.prompt_length} tokens")
+    cp_group = context_parallel_group()  # under PP: this stage's CP group
+    if cp_group is not None:
+        _count_replicated_gradients_once(model, cp_group)
     with without_activation_recompute(model):  # (see there: injected gradients need the chunk's graph)
         if pipeline_parallel():  # one schedule call per chunk, stage to stage
             prompt_backward_pp(model, state, prompt_ids_BS, chunk_context)
         else:
             _sweep(model, state, prompt_ids_BS, chunk_context)
+    if cp_group is not None:
+        _sum_gradients(model, cp_group)
 
 
 def _sweep(model, state: PromptState, prompt_ids_BS: torch.Tensor,
            chunk_context: Optional[Callable[[int], ContextManager]]) -> None:
     """The chunk loop of ``prompt_backward`` on this rank (its CP shard of every chunk)."""
     cp_group = context_parallel_group()
-    chunks = _sweep_chunks(state, cp_group)
-    if cp_group is not None:
-        _count_replicated_gradients_once(model, cp_group)
+    chunks = sweep_chunks(state, cp_group)
     lockstep = ExpertLockstep(model, backward=True)  # EP over data-parallel ranks: chunk counts differ
     for index in reversed(range(len(chunks))):
         start, end, shard_sizes, local_offset = chunks[index]
@@ -130,28 +133,6 @@ def _sweep(model, state: PromptState, prompt_ids_BS: torch.Tensor,
             if final_norm is not None:
                 final_norm.remove()
     lockstep.finish()
-    if cp_group is not None:
-        _sum_gradients(model, cp_group)
-
-
-def _sweep_chunks(state: PromptState, cp_group) -> list[tuple[int, int, Optional[tuple[int, ...]], int]]:
-    """``[(first position, end, shard sizes, local offset)]`` of this rank's part of every capture
-    chunk: the chunk itself without CP (no shard sizes; the local offset is the position), under
-    CP this rank's shard, the chunk's shard sizes (from every rank's shard starts) and the rows of
-    this rank's state before the shard."""
-    if cp_group is None:
-        ends = state.chunk_starts[1:] + (state.prompt_length,)
-        return [(start, end, None, start) for start, end in zip(state.chunk_starts, ends)]
-    cp, rank, count = cp_group.size(), dist.get_rank(cp_group), len(state.chunk_starts)
-    starts = torch.tensor(state.chunk_starts, dtype=torch.int64, device=state.device)
-    by_rank = [part.tolist() for part in all_gather_rows(starts, (count,) * cp, cp_group)]
-    chunks, local = [], 0
-    for c in range(count):
-        bounds = [by_rank[r][c] for r in range(cp)] + [by_rank[0][c + 1] if c + 1 < count else state.prompt_length]
-        sizes = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        chunks.append((bounds[rank], bounds[rank + 1], sizes, local))
-        local += sizes[rank]
-    return chunks
 
 
 def _gradient(param) -> Optional[torch.Tensor]:
