@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
-# GLM-5 at a 2,088,960-token prompt on 32 GPUs (4 nodes x 8): TP 1, CP 32, EP 32, G=8. Launch on
-# every node with its NODE_RANK and the first node's MASTER_ADDR. Needs GLM-5 (MLA/DSA) under
-# LongStraw CP; until then the trainer refuses it clearly.
+# GRPO on GLM-5 with 2,088,960-token prompts and G=8 on 32 GPUs (4 nodes of 8 H200): TP 1,
+# CP 32, EP 32. Under context parallelism GLM-5 captures and replays sharded, but does not decode:
+# its prompt groups come from a rollout JSONL (ROLLOUT_PATH; README: data formats): prompts with
+# G responses each, sampled from the same weights by an inference engine (vLLM, SGLang).
+#
+#   NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=node0 ROLLOUT_PATH=rollouts.jsonl \
+#       TOKENIZER_MODEL=/path/to/GLM-5 PRETRAINED_CHECKPOINT=/path/to/mcore \
+#       bash examples/glm-5_2m_cp32.sh                               # on each node
+#   sbatch examples/slurm/glm-5_2m.sbatch                            # SLURM
+#
+# What it reads and writes: examples/args/recipe.sh. Extra arguments go to train_grpo.py. A
+# relaunch resumes from CHECKPOINT_PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+RUN_DIR=${RUN_DIR:-runs/glm-5-2m}
+: "${ROLLOUT_PATH:?set ROLLOUT_PATH: GLM-5 under context parallelism trains on responses from a rollout JSONL}"
+NNODES=${NNODES:-${SLURM_NNODES:-4}}
+source examples/args/env.sh
+source examples/args/distributed.sh
 source examples/args/glm-5.sh
-torchrun --nnodes 4 --nproc-per-node 8 --node-rank "${NODE_RANK:?set NODE_RANK}" \
-    --master-addr "${MASTER_ADDR:?set MASTER_ADDR}" --master-port "${MASTER_PORT:-29500}" \
-    train_grpo.py "${MODEL_ARGS[@]}" \
+source examples/args/recipe.sh
+"${TORCHRUN[@]}" "${DISTRIBUTED_ARGS[@]}" train_grpo.py "${MODEL_ARGS[@]}" \
     --tensor-model-parallel-size 1 --context-parallel-size 32 --expert-model-parallel-size 32 \
     --use-distributed-optimizer --recompute-granularity full \
-    --train-iters 1 --global-batch-size 1 --num-generations 8 \
-    --lr 1e-6 --min-lr 1e-7 --lr-decay-style cosine --weight-decay 0.01 --clip-grad 1.0 \
+    --train-iters "${TRAIN_ITERS:-200}" --save-interval "${SAVE_INTERVAL:-10}" \
+    --global-batch-size "${GLOBAL_BATCH_SIZE:-$((WORLD_SIZE / 32))}" --num-generations 8 \
+    --lr 1e-6 --min-lr 1e-7 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.01 --clip-grad 1.0 \
     --adam-beta1 0.9 --adam-beta2 0.95 \
-    --data-path synthetic --synthetic-prompt-length 2088960 --synthetic-num-records 64 \
-    --reward-fn synthetic_retrieval --max-response-length 8192 \
+    --max-prompt-length 2088960 --max-response-length 8192 \
     --prompt-chunk-size 32768 --replay-micro-batch-size 1 \
-    --save runs/glm-5-2m/checkpoints --wandb-project megatron-longstraw \
-    --wandb-exp-name glm-5-2m-g8 --wandb-save-dir runs/glm-5-2m "$@"
+    --wandb-project megatron-longstraw --wandb-exp-name glm-5-2m-g8 \
+    "${RECIPE_ARGS[@]}" "$@"

@@ -7,18 +7,14 @@ Usage (single process, or under torchrun for TP):
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
-from megatron_longstraw.models.builder import build_model  # noqa: E402
-from megatron_longstraw.models.options import ModelOptions  # noqa: E402
-from megatron_longstraw.models.presets import resolve_hf_config  # noqa: E402
+from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
+from megatron_longstraw.models.builder import build_model
+from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.presets import resolve_hf_config
 
 
 def parse_args(argv=None):

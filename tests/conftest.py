@@ -5,8 +5,14 @@ On a host of several GPUs the GPU tier runs under pytest-xdist (``-n N``) with
 """
 
 import os
+from pathlib import Path
 
 import pytest
+
+# The tests' subprocesses (tools/ and examples/ scripts, torch.distributed.run workers) import this
+# checkout's package too, whichever checkout the environment's editable install points to.
+_ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 if os.environ.get("LONGSTRAW_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER"):
     # before anything initializes CUDA; gw0, gw1, ... -> GPU 0, 1, ...

@@ -181,6 +181,22 @@ def test_bad_input_one_line_error_and_nothing_left(converted, tmp_path, breaker)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
 
 
+def test_truncated_checkpoint_to_hf_is_one_line_naming_the_file(converted, tmp_path, capsys):
+    hf, _, root = converted
+    if hf["model_type"] != "qwen3_5_text":
+        pytest.skip("one family suffices")
+    broken = _copy_hf(root / "mcore", tmp_path / "broken")
+    data = broken / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:1000])
+    capsys.readouterr()
+    assert convert_checkpoint.main(["mcore-to-hf", "--load", str(broken), "--save", str(tmp_path / "out"),
+                                    "--no-progress"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: --load {broken}: checkpoint is corrupt or incomplete: __0_0.distcp is truncated "
+                     f"(1000 bytes; its index needs {(root / 'mcore' / '__0_0.distcp').stat().st_size})"], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
+
+
 def test_existing_output_needs_overwrite(converted, tmp_path):
     _, _, root = converted
     out = tmp_path / "out"

@@ -1,4 +1,13 @@
-"""The CPU-compat patches: each is what makes the Megatron code path run on a CPU."""
+"""The runtime patches: each CPU-compat patch is what makes the Megatron code path run on a CPU;
+the others do what their module says (fp64 kept, a checkpoint save that starts no process)."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,6 +16,7 @@ from megatron_longstraw import patches
 from megatron_longstraw.ops import gated_delta_torch
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-compat patches apply without a GPU")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_patch_module_has_the_interface():
@@ -268,3 +278,72 @@ def test_vocab_parallel_cross_entropy_keeps_fp64_and_is_unchanged_below(single_p
         patches._module("cross_entropy_precision").apply()
     assert original[0].dtype == torch.float32 and (original[1] - grad).abs().max() > 1e-12  # through fp32
     assert all(torch.equal(a, b) for a, b in zip(below, original_below))
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (read from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                state_and_rest = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if state_and_rest[0] != "Z":
+                parents[int(entry)] = int(state_and_rest[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return f"{pid} (gone)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
+def test_a_trainer_killed_mid_save_leaves_no_process_behind(tmp_path):
+    """SIGKILL while a checkpoint is being saved: nothing the trainer started lives on (without
+    ``save_results_in_process``, Megatron's file writer leaves its results-queue server and resource
+    tracker running, orphaned). The tracker file's temporary is a FIFO here, so the save stops there
+    until killed."""
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    os.mkfifo(save / "latest_checkpointed_iteration.txt.tmp")
+    argv = ["--train-iters", "1", "--global-batch-size", "1", "--num-generations", "2",
+            "--synthetic-prompt-length", "32", "--prompt-chunk-size", "32", "--max-response-length", "1",
+            "--replay-micro-batch-size", "2", "--save", str(save), "--wandb-save-dir", str(tmp_path / "run"),
+            "--wandb-mode", "disabled"]
+    log = tmp_path / "trainer.log"
+    with open(log, "wb") as out:
+        trainer = subprocess.Popen([sys.executable, str(ROOT / "train_grpo.py"), *argv], cwd=tmp_path,
+                                   stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while trainer.poll() is None and not (save / "iter_0000001").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.02)  # then the checkpoint is in place and the tracker write blocks on the FIFO
+        assert trainer.poll() is None and (save / "iter_0000001").is_dir(), log.read_text()[-2000:]
+        tree = _descendants(trainer.pid)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = {pid: _command(pid) for pid in tree if _alive(pid)}
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, left
+    assert not (save / "latest_checkpointed_iteration.txt").exists()  # killed mid-save

@@ -93,6 +93,17 @@ def test_user_reward_by_module_function(user_module):
         score_group(nan, PROMPT, [[1]], source="data.jsonl:4")
 
 
+def test_user_reward_module_in_the_working_directory(tmp_path, monkeypatch):
+    """``module:function`` finds a module in the working directory (as ``python -m`` would), also
+    when the process was started as ``python path/to/train_grpo.py`` from there."""
+    name = "longstraw_cwd_reward_mod"
+    (tmp_path / f"{name}.py").write_text("def one(prompt_ids, response_ids, answer, metadata):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    assert _score(build_reward(f"{name}:one"), [[1]], None) == [1.0]
+
+
 @pytest.mark.parametrize("spec, message", [
     ("no_such_reward", r"--reward-fn 'no_such_reward': unknown reward; registered: .*exact_match, "
                        r"synthetic_retrieval \(or give module:function\)"),

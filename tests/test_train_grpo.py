@@ -3,6 +3,7 @@ on-policy consistency, exact resume, atomic saves, and bad input at the command 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 import train_grpo
+from megatron_longstraw.distributed import destroy_distributed, init_distributed
 from megatron_longstraw.testing.wandb_records import find_run_file, read_history
+from megatron_longstraw.training import loop
 
 ROOT = Path(__file__).resolve().parents[1]
 # Counted as time, throughput, memory or run bookkeeping; everything else must match exactly.
@@ -34,12 +37,12 @@ def _args(tmp_path: Path, *extra: str) -> list[str]:
 
 def _train(argv):
     args = train_grpo.parse_args(argv)
-    train_grpo.init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel, seed=args.seed)
     try:
-        metrics, model = train_grpo.train(args)
+        metrics, model = loop.train(args)
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
-        train_grpo.destroy_distributed()
+        destroy_distributed()
     return metrics, params
 
 
@@ -78,13 +81,24 @@ def test_internal_rollouts_train_log_to_wandb_and_stay_on_policy(tmp_path):
         assert torch.equal(exported[name], tensor), name
 
 
-def test_resume_gives_identical_parameters_and_metrics(tmp_path):
+def test_resume_gives_identical_parameters_and_metrics(tmp_path, capsys):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     schedule = ["--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4",
                 "--min-lr", "1e-3", "--kl-coef", "0.05", "--entropy-coef", "0.01"]
     _, params_straight = _train(_args(straight, *schedule))
     _train(_args(resumed, "--train-iters", "2", *schedule))
+    capsys.readouterr()
     _, params_resumed = _train(_args(resumed, "--load", str(resumed / "ckpt"), *schedule))
+    # the console: the load and the save with their folders and seconds, each step as k/N with an ETA
+    out = capsys.readouterr().out.splitlines()
+    loaded = re.escape(str(resumed / "ckpt" / "iter_0000002"))
+    assert any(re.fullmatch(rf"resuming from {loaded} at iteration 2.*, loaded in \d+\.\d s", line) for line in out), out
+    saved = re.escape(str(resumed / "ckpt" / "iter_0000004"))
+    assert any(re.fullmatch(rf"saved checkpoint iteration 4 to {saved} \(\d+\.\d s\)", line) for line in out), out
+    steps = [line for line in out if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["step 3/4", "step 4/4"], steps
+    assert all(re.match(r"step \d/4 \| ETA \d+:\d\d:\d\d \| reward/mean ", line) for line in steps), steps
+    assert steps[-1].split(" | ")[1] == "ETA 0:00:00"
     for name, value in params_straight.items():
         assert torch.equal(value, params_resumed[name]), name
     rows_straight, rows_resumed = _rows(straight / "wandb"), _rows(resumed / "wandb")
@@ -92,6 +106,9 @@ def test_resume_gives_identical_parameters_and_metrics(tmp_path):
     for a, b in zip(rows_straight, rows_resumed):
         assert _deterministic(a) == _deterministic(b)
     assert len({r["optim/lr"] for r in rows_straight}) == 4  # the schedule moves every step
+    # the step that saved has its save's seconds (at the end; the resumed run's first part at 2)
+    assert [r.get("time/save_s", 0) > 0 for r in rows_straight] == [False, False, False, True]
+    assert [r.get("time/save_s", 0) > 0 for r in rows_resumed] == [False, True, False, True]
     history = read_history(find_run_file(resumed / "wandb"))  # the resumed run continues the wandb run
     assert [row["_step"] for row in history][-2:] == [3, 4]
 
@@ -143,12 +160,27 @@ def test_bad_input_at_the_command_line_is_one_line_and_nonzero(tmp_path, argv, n
     (["--clip-eps-low", "1.5"], "--clip-eps-low"),
     (["--reward-fn", "reward_fixtures:nan"], "reward_fixtures:nan"),
     (["--rollout-source", "jsonl"], "--rollout-path"),
+    (["--num-generations", "1"], "--num-generations must be >= 2, got 1: advantages are group-relative"),
 ])
 def test_bad_input_raises_value_error_naming_the_flag(tmp_path, argv, needle):
     with pytest.raises(ValueError) as err:
         _train(_args(tmp_path, *argv))
     assert needle in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_a_broken_reward_fails_at_start_up(tmp_path, monkeypatch):
+    """--reward-fn is called once at start-up on the first record: a reward that raises fails
+    before any prompt group is trained, in one line naming the flag, the record and the error."""
+    def no_group(*args, **kwargs):
+        raise AssertionError("a prompt group was trained before the reward was checked")
+
+    monkeypatch.setattr(loop, "train_group", no_group)
+    with pytest.raises(ValueError) as err:
+        _train(_args(tmp_path, "--train-iters", "1", "--reward-fn", "reward_fixtures:raises"))
+    message = str(err.value)
+    assert "(--reward-fn)" in message and "synthetic:0 (start-up check)" in message, message
+    assert "RuntimeError: reward backend is down" in message and "\n" not in message, message
 
 
 def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -169,16 +201,175 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert not (tmp_path / "ckpt" / "iter_0000003").exists()
     _train(_args(tmp_path, "--train-iters", "3", "--load", str(tmp_path / "ckpt")))
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    # step 3 was logged before its save crashed; the resume from step 2 logs it once
+    assert [r["step"] for r in _rows(tmp_path / "wandb")] == [1, 2, 3]
+
+
+def _files(folder: Path) -> dict:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+def test_a_relaunch_resumes_and_a_fresh_start_loses_nothing(tmp_path, capsys):
+    """A relaunch into the same --save resumes from its checkpoint (--load defaults to --save),
+    appending to metrics.jsonl after dropping its truncated last line (a crash mid-write) with a
+    warning; a malformed line elsewhere is an error naming the file and line. Starting fresh there
+    is refused without --overwrite; with it, a run that fails in step 1 leaves the earlier run's
+    checkpoint and metrics as they were. A run whose checkpoint is at --train-iters touches nothing."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "wandb" / "metrics.jsonl"
+    _train(_args(tmp_path, "--train-iters", "1"))
+    for argv, needles in [(["--no-load"], (f"--save {ckpt}", "iteration 1", "--no-load", "--overwrite")),
+                          (["--no-save"], (str(metrics), "--no-save", "--overwrite"))]:
+        with pytest.raises(ValueError) as err:
+            train_grpo.parse_args(_args(tmp_path, *argv))
+        assert all(n in str(err.value) for n in needles) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match="reward backend is down"):
+        _train(_args(tmp_path, "--no-load", "--overwrite", "--reward-fn", "reward_fixtures:raises"))
+    assert [r["step"] for r in _rows(tmp_path / "wandb")] == [1]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not list(metrics.parent.glob("metrics.jsonl.*"))
+    metrics.write_text(metrics.read_text() + '{"step": 2, "reward/me')
+    capsys.readouterr()
+    _train(_args(tmp_path, "--train-iters", "2"))
+    out = capsys.readouterr()
+    assert f"resuming from {ckpt / 'iter_0000001'} at iteration 1" in out.out, out.out
+    assert f"warning: {metrics}: dropped its truncated last line 2" in out.err, out.err
+    assert [r["step"] for r in _rows(tmp_path / "wandb")] == [1, 2]
+    before = _files(tmp_path)
+    train_grpo.main(_args(tmp_path, "--train-iters", "2"))
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("nothing to do:") and "iteration 2" in last, last
+    assert _files(tmp_path) == before
+    metrics.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=f"^{metrics} line 2: "):
+        _train(_args(tmp_path, "--train-iters", "3"))
+
+
+# what the libraries print at start-up and at the first save unless the trainer filters it
+LIBRARY_NOTICE = re.compile(r"warn|deprecat|experimental|not installed|not supported|^[DIWE]\d{4} ", re.IGNORECASE)
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
-    _train(_args(tmp_path, "--train-iters", "1"))
+    from megatron_longstraw.console import optional_line
+
+    saved = _cli(*_args(tmp_path, "--train-iters", "1"))  # the checkpoint, and the console of a run
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    out, err = saved.stdout.splitlines(), saved.stderr.splitlines()
+    notices = [line for line in out[:20] + err[:20] if LIBRARY_NOTICE.search(line) and not line.startswith("optional: ")]
+    assert not notices, notices
+    assert optional_line() is None or optional_line() in out[:3], out[:3]  # what is absent, in one line
+    assert out[-2].startswith("saved checkpoint iteration 1 to ") and out[-1].startswith("step 1/1 | ETA 0:00:00 |"), out
     for shard in (tmp_path / "ckpt" / "iter_0000001").glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])
     result = _cli(*_args(tmp_path, "--train-iters", "2", "--load", str(tmp_path / "ckpt")))
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --load") and "corrupt" in last, result.stderr[-2000:]
+    assert "__0_0.distcp is truncated (100 bytes" in last, last  # names the file
+
+
+def _converted_checkpoint(folder: Path, preset: str, **changes) -> Path:
+    """A preset (with ``changes``) as a tiny random HF model converted by tools/convert_checkpoint.py
+    (``folder/mcore``, its HF config in ``hf_config.json``)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import convert_checkpoint
+
+    from megatron_longstraw.models.presets import resolve_hf_config
+    from megatron_longstraw.testing.hf_reference import build_hf_model
+
+    hf = {**resolve_hf_config(preset), **changes}
+    hf.pop("_source", None)
+    build_hf_model(hf, seed=3).save_pretrained(folder / "hf")
+    assert convert_checkpoint.main(["hf-to-mcore", "--load", str(folder / "hf"), "--save", str(folder / "mcore"),
+                                    "--no-progress"]) == 0
+    return folder / "mcore"
+
+
+ROPE_THETA = 10_000  # qwen3.5-debug's is 1e7
+ONE_QUICK_STEP = ("--train-iters", "1", "--wandb-mode", "disabled", "--global-batch-size", "1", "--num-generations",
+                  "2", "--synthetic-prompt-length", "24", "--prompt-chunk-size", "24", "--max-response-length", "2")
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+    """A converted qwen3.5-debug of another rope_theta, one step trained from it with
+    --pretrained-checkpoint alone, and that run's checkpoint:
+    ``(converted folder, run folder, the trained model's RoPE inverse frequencies)``."""
+    tmp = tmp_path_factory.mktemp("warm_start")
+    rope = dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=0.25)
+    converted = _converted_checkpoint(tmp, "qwen3.5-debug", rope_parameters=rope)
+    args = train_grpo.parse_args(_args(tmp / "run", *ONE_QUICK_STEP, "--pretrained-checkpoint", str(converted)))
+    init_distributed(args.parallel, seed=args.seed)
+    try:
+        _, model = loop.train(args)
+        inv_freq = model.rotary_pos_emb.inv_freq.detach().clone()
+    finally:
+        destroy_distributed()
+    return converted, tmp / "run", inv_freq
+
+
+def test_pretrained_checkpoint_gives_the_model_config(warm_start):
+    from megatron_longstraw.models.hf_config import rope_parameters
+
+    _, run, inv_freq = warm_start
+    rotary_dim = 16 // 4  # head_dim x partial_rotary_factor
+    expected = 1.0 / ROPE_THETA ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    torch.testing.assert_close(inv_freq.double(), expected)
+    saved = json.loads((run / "ckpt" / "iter_0000001" / "hf_config.json").read_text())
+    assert rope_parameters(saved)["rope_theta"] == ROPE_THETA
+
+
+def test_model_flag_takes_a_converted_checkpoint(warm_start, tmp_path):
+    converted, _, _ = warm_start
+    _, params = _train(_args(tmp_path / "config", *ONE_QUICK_STEP, "--no-save", "--model", str(converted)))
+    assert params["decoder.layers.0.mlp.linear_fc1.weight"].shape == (256, 64)
+    args = train_grpo.parse_args(_args(tmp_path / "both", "--model", str(converted),
+                                       "--pretrained-checkpoint", str(converted)))
+    assert args.model_source == str(converted)  # the same model: accepted
+
+
+@pytest.mark.parametrize("flag", ["--model", "--hf-config"])
+def test_another_model_than_the_pretrained_checkpoint_is_refused(warm_start, tmp_path, flag):
+    converted, _, _ = warm_start
+    other = {**json.loads((converted / "hf_config.json").read_text()), "intermediate_size": 96}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    given = "qwen3.5-debug" if flag == "--model" else str(tmp_path / "other.json")
+    with pytest.raises(ValueError) as err:
+        train_grpo.parse_args(_args(tmp_path, flag, given, "--pretrained-checkpoint", str(converted)))
+    message = str(err.value)
+    assert message.startswith(f"{flag} {given} is another model than --pretrained-checkpoint {converted}")
+    needle = "rope_theta 10000000 vs 10000" if flag == "--model" else "intermediate_size 96 vs 128"
+    assert needle in message and "\n" not in message, message
+
+
+def test_loading_a_checkpoint_of_another_model_names_the_tensor(warm_start, tmp_path):
+    _, run, _ = warm_start
+    other = {**json.loads((run / "ckpt" / "iter_0000001" / "hf_config.json").read_text()), "intermediate_size": 96}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError) as err:
+        _train(_args(tmp_path, *ONE_QUICK_STEP, "--train-iters", "2", "--load", str(run / "ckpt"),
+                     "--model", str(tmp_path / "other.json")))
+    message = str(err.value)
+    assert "a checkpoint of another model: tensor 'decoder.layers.0.mlp.linear_fc1.weight' has shape " \
+           "(256, 64) in the checkpoint and (192, 64) in this model" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_damaged_pretrained_checkpoint_names_the_file(warm_start, tmp_path, damage):
+    converted, _, _ = warm_start
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in converted.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    data = broken / "__0_0.distcp"
+    if damage == "missing":
+        data.unlink()
+    else:
+        data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(ValueError) as err:
+        _train(_args(tmp_path, *ONE_QUICK_STEP, "--no-save", "--pretrained-checkpoint", str(broken)))
+    message = str(err.value)
+    assert message.startswith(f"--pretrained-checkpoint {broken}: checkpoint is corrupt or incomplete: "
+                              f"__0_0.distcp is {damage}") and "\n" not in message, message
 
 
 def _rollout_file(tmp_path: Path) -> Path:
@@ -210,18 +401,7 @@ AGGREGATIONS = ("token", "sequence")
 def _glm_checkpoint(folder: Path) -> Path:
     """glm-5-debug from a tiny random HF model through tools/convert_checkpoint.py: the same
     initial weights under any layout (random initialization depends on the expert layout)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import convert_checkpoint
-
-    from megatron_longstraw.models.presets import resolve_hf_config
-    from megatron_longstraw.testing.hf_reference import build_hf_model
-
-    hf = resolve_hf_config("glm-5-debug")
-    hf.pop("_source", None)
-    build_hf_model(hf, seed=3).save_pretrained(folder / "hf")
-    assert convert_checkpoint.main(["hf-to-mcore", "--load", str(folder / "hf"), "--save", str(folder / "mcore"),
-                                    "--no-progress"]) == 0
-    return folder / "mcore"
+    return _converted_checkpoint(folder, "glm-5-debug")
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +415,7 @@ def spawned(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("spawned")
     rollouts = str(_rollout_file(tmp))
-    quiet = ["--wandb-mode", "disabled", "--wandb-save-dir", str(tmp / "w")]
+    quiet = ["--wandb-mode", "disabled"]  # metrics.jsonl: one folder per run (below)
     external = ["--rollout-source", "jsonl", "--rollout-path", rollouts, "--reward-fn", "exact_match"]
     internal = ["--synthetic-prompt-length", "37", "--max-response-length", "5", "--lr", "1e-2",
                 "--reward-fn", "reward_fixtures:low_token_fraction"]
@@ -275,8 +455,9 @@ def spawned(tmp_path_factory):
              "ep-dp-single": ep_dp}),
     ]
     out = {}
-    for world, runs in spawns:
-        ranks = run_multiprocess(train_workers, world, list(runs.values()))
+    for world, runs in spawns:  # each run logs into a folder of its own (a fresh run refuses another's)
+        argvs = [argv + ["--wandb-save-dir", str(tmp / "w" / name)] for name, argv in runs.items()]
+        ranks = run_multiprocess(train_workers, world, argvs)
         out.update({name: [rank[i] for rank in ranks] for i, name in enumerate(runs)})
     return out, Path(rollouts)
 
@@ -453,14 +634,14 @@ def test_each_loss_type_trains_a_step(tmp_path, monkeypatch, loss_type):
     parameters moved and, at ratio 1, ``loss/total`` the loss's own normalization of ``-A``."""
     from megatron_longstraw.grpo.advantages import group_advantages
 
-    initial, build_policy = {}, train_grpo.build_policy
+    initial, build_policy = {}, loop.build_policy
 
     def keep_initial(args):
         built = build_policy(args)
         initial.update({n: p.detach().clone() for n, p in built[1].named_parameters()})
         return built
 
-    monkeypatch.setattr(train_grpo, "build_policy", keep_initial)
+    monkeypatch.setattr(loop, "build_policy", keep_initial)
     path = _rollout_file(tmp_path)
     metrics, params = _train(_args(tmp_path, "--loss-type", loss_type, "--train-iters", "1", "--no-save",
                                    "--wandb-mode", "disabled", "--max-response-length", "8", "--rollout-source",

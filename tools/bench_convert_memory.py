@@ -23,15 +23,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+from megatron_longstraw.checkpointing.convert import MAX_CHUNK_BYTES
+from megatron_longstraw.checkpointing.safetensors_io import SafetensorsWriter
+from megatron_longstraw.models.presets import PRESETS
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from megatron_longstraw.checkpointing.convert import MAX_CHUNK_BYTES  # noqa: E402
-from megatron_longstraw.checkpointing.safetensors_io import SafetensorsWriter  # noqa: E402
-from megatron_longstraw.models.presets import PRESETS  # noqa: E402
-
 MiB = 2**20
 _RUN = ("import resource, runpy, sys; sys.argv = sys.argv[1:]\n"
         "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"

@@ -13,17 +13,14 @@ import argparse
 import shlex
 import sys
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed  # noqa: E402
-from megatron_longstraw.models.builder import build_model  # noqa: E402
-from megatron_longstraw.models.options import ModelOptions, have_transformer_engine  # noqa: E402
-from megatron_longstraw.models.presets import resolve_hf_config  # noqa: E402
-from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/)
+from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+from megatron_longstraw.models.builder import build_model
+from megatron_longstraw.models.options import ModelOptions, have_transformer_engine
+from megatron_longstraw.models.presets import resolve_hf_config
+from bench_output import bench_stem, write_bench_files  # tools/, beside this script
 
 
 def parse_args(argv=None):

@@ -19,21 +19,18 @@ import argparse
 import shlex
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
-from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
-from megatron_longstraw.longstraw.full_graph import full_graph_responses  # noqa: E402
-from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support, prompt_backward  # noqa: E402
-from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
-from megatron_longstraw.models.builder import build_stage_model  # noqa: E402
-from megatron_longstraw.models.options import ModelOptions  # noqa: E402
-from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers  # noqa: E402
-from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/)
+from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
+from megatron_longstraw.longstraw.capture import capture_prompt
+from megatron_longstraw.longstraw.full_graph import full_graph_responses
+from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support, prompt_backward
+from megatron_longstraw.longstraw.replay import replay_responses
+from megatron_longstraw.models.builder import build_stage_model
+from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from bench_output import bench_stem, write_bench_files  # tools/, beside this script
 
 
 def parse_args(argv=None):

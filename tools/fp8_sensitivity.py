@@ -16,19 +16,16 @@ import argparse
 import shlex
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
-from megatron_longstraw.models.builder import build_model  # noqa: E402
-from megatron_longstraw.models.options import ModelOptions  # noqa: E402
-from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers  # noqa: E402
-from megatron_longstraw.testing.fp8_emulation import emulated_fp8_linears, switched_linears  # noqa: E402
-from megatron_longstraw.testing.parity import replay_gradients  # noqa: E402
-from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/)
+from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
+from megatron_longstraw.models.builder import build_model
+from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from megatron_longstraw.testing.fp8_emulation import emulated_fp8_linears, switched_linears
+from megatron_longstraw.testing.parity import replay_gradients
+from bench_output import bench_stem, write_bench_files  # tools/, beside this script
 
 VARIANTS = {  # name: (recipe, passes); "bf16" rounds the same GEMM operands to bf16 instead
     "fp8 tensorwise": ("tensorwise", "both"),

@@ -4,12 +4,15 @@ One ``KernelOptions`` reaches the kernels as an argument. A model takes it from
 ``ModelOptions.kernel_options`` (``models/builder.py`` hands it to every module that
 ``UsesKernelOptions``, which passes it down); the trainer and the benchmark fill it from their
 ``kernels`` flags (``training/arguments.py``); tests pass their own. Nothing is read from the
-environment. The block sizes change memory and speed, never the result beyond rounding.
+environment. The block sizes change memory and speed, never the result beyond rounding. The
+module imports no torch: the trainer's argument parser reads its defaults before torch loads.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ATTENTION_BACKENDS = ("cudnn", "flash", "emulated")
 DSA_TOPK_MODES = ("packed", "float")
@@ -66,7 +69,7 @@ class UsesKernelOptions:
     kernel_options: KernelOptions = KernelOptions()
 
 
-def set_kernel_options(model: torch.nn.Module, options: KernelOptions) -> None:
+def set_kernel_options(model: "torch.nn.Module", options: KernelOptions) -> None:
     """Hand ``options`` (validated) to every module of ``model`` that ``UsesKernelOptions``."""
     options.validate()
     for module in model.modules():

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
 from megatron_longstraw.checkpointing import dist_io
@@ -252,8 +253,12 @@ def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | N
                             batch_bytes += sizes[weights[end]]
                             end += 1
                         full = {w: torch.empty(layout.params[w], dtype=dtypes[w]) for w in weights[start:end]}
-                        dist_io.read_chunks(folder, [(c.key, c.offsets, c.of(full[w]))
-                                                     for w in full for c in by_param[w]])
+                        try:
+                            dist_io.read_chunks(folder, [(c.key, c.offsets, c.of(full[w]))
+                                                         for w in full for c in by_param[w]])
+                        except (Exception, CheckpointException) as err:  # torch's is a BaseException
+                            raise ValueError(f"--load {folder}: checkpoint is corrupt or incomplete (reading "
+                                             f"{sorted(full)[0]!r}: {dist_io.one_line(err)})") from None
                         for w in list(full):
                             tensors = family.mcore_to_hf({w: full.pop(w)}, hf, checkpoint_layout=True)
                             for name, _, _ in outputs[w]:

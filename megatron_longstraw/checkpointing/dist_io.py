@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megatron_longstraw.checkpointing.layout import Chunk
 
 COMMON_NAME = "common.pt"
+METADATA_NAME = ".metadata"  # DCP's index of the data files
 
 
 class _StreamingSavePlanner(SavePlanner):
@@ -104,11 +107,53 @@ def write_dist_checkpoint(folder: Path, items: list[WriteItem],
     save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(folder))
 
 
-def read_metadata(folder: Path) -> Metadata:
-    """The DCP metadata of a checkpoint folder (``ValueError`` if it is not one)."""
-    if not (folder / ".metadata").is_file():
-        raise ValueError(f"--load {folder}: not a torch_dist checkpoint (no .metadata)")
-    return dcp.FileSystemReader(folder).read_metadata()
+def read_metadata(folder: Path, flag: str = "--load") -> Metadata:
+    """The DCP metadata of a checkpoint folder, after checking that every data file it indexes
+    is there and long enough: ``ValueError`` naming ``flag``, the folder and the file otherwise."""
+    path = folder / METADATA_NAME
+    if not path.is_file():
+        raise ValueError(f"{flag} {folder}: not a torch_dist checkpoint (no {METADATA_NAME})")
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as err:  # pickle's errors on a truncated or overwritten file vary
+        raise ValueError(f"{flag} {folder}: checkpoint is corrupt or incomplete: {METADATA_NAME} does not "
+                         f"read ({type(err).__name__}; truncated?)") from None
+    needed: dict[str, int] = {}  # data file -> bytes the index reaches into it
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = folder / name
+        if not file.is_file():
+            raise ValueError(f"{flag} {folder}: checkpoint is corrupt or incomplete: {name} is missing")
+        have = file.stat().st_size
+        if have < size:
+            raise ValueError(f"{flag} {folder}: checkpoint is corrupt or incomplete: {name} is truncated "
+                             f"({have} bytes; its index needs {size})")
+    return metadata
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def shape_mismatch(sharded_state_dict: dict, metadata: Metadata) -> str | None:
+    """The first tensor of ``sharded_state_dict`` (a model's ``sharded_state_dict()``; its
+    factories are applied in place) that the checkpoint lacks or holds in another global shape,
+    as a phrase naming it and both shapes; ``None`` when every tensor is there in its shape."""
+    apply_factories(sharded_state_dict)
+    stored = metadata.state_dict_metadata
+    for tensor in nested_values(sharded_state_dict):
+        if not isinstance(tensor, ShardedTensor):
+            continue
+        if tensor.key not in stored:
+            return f"it has no tensor {tensor.key!r} (shape {tuple(tensor.global_shape)} in this model)"
+        shape = tuple(getattr(stored[tensor.key], "size", ()))
+        if shape != tuple(tensor.global_shape):
+            return (f"tensor {tensor.key!r} has shape {shape} in the checkpoint and "
+                    f"{tuple(tensor.global_shape)} in this model")
+    return None
 
 
 class _ChunkLoadPlanner(LoadPlanner):

@@ -11,6 +11,11 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron_longstraw.checkpointing import dist_io
+from megatron_longstraw.models.hf_config import read_config_json
+from megatron_longstraw.models.presets import resolve_hf_config
 
 HF_CONFIG_NAME = "hf_config.json"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -33,14 +38,32 @@ def resolve_checkpoint_dir(path: str | Path, flag: str = "--load") -> Path:
     return path
 
 
-def read_hf_config(folder: Path) -> dict:
-    """The HF config stored with a checkpoint (in the folder or its save directory)."""
+def read_hf_config(folder: Path, flag: str = "--load") -> dict:
+    """The HF config stored with a checkpoint (in the folder or its save directory); errors
+    name the file (and the line of invalid JSON)."""
     for candidate in (folder / HF_CONFIG_NAME, folder.parent / HF_CONFIG_NAME):
         if candidate.is_file():
-            config = json.loads(candidate.read_text())
-            config["_source"] = str(candidate)
-            return config
-    raise ValueError(f"--load {folder}: no {HF_CONFIG_NAME} in the checkpoint; pass --model")
+            return read_config_json(candidate)
+    raise ValueError(f"{flag} {folder}: no {HF_CONFIG_NAME} in the checkpoint; pass --model")
+
+
+def has_hf_config(folder: Path) -> bool:
+    """Whether a checkpoint folder (or its save directory) stores its HF config."""
+    return any((f / HF_CONFIG_NAME).is_file() for f in (folder, folder.parent))
+
+
+def resolve_model_config(spec: str, flag: str = "--model") -> dict:
+    """The HF config that ``spec`` names: a preset, an HF folder or ``config.json``, or a
+    checkpoint folder or save directory (``tools/convert_checkpoint.py`` output, a trainer save):
+    its ``hf_config.json``."""
+    path = Path(spec)
+    if path.is_dir() and not (path / "config.json").is_file():
+        folder = resolve_checkpoint_dir(path, flag=flag)
+        if not has_hf_config(folder):
+            raise ValueError(f"{flag} {spec}: neither an HF folder (no config.json) nor a checkpoint "
+                             f"that stores its model (no {HF_CONFIG_NAME})")
+        return read_hf_config(folder, flag=flag)
+    return resolve_hf_config(spec)
 
 
 def write_hf_config(folder: Path, hf: dict) -> None:
@@ -61,9 +84,18 @@ def save_model_checkpoint(model, folder: str | Path) -> None:
     torch.distributed.barrier()
 
 
-def load_model_checkpoint(model, path: str | Path, strict: bool = True) -> Path:
-    """Load a checkpoint (any saved layout) into this rank's ``model``; returns its folder."""
-    folder = resolve_checkpoint_dir(path)
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(folder))
+def load_model_checkpoint(model, path: str | Path, strict: bool = True, flag: str = "--load") -> Path:
+    """Load a checkpoint (any saved layout) into this rank's ``model``; returns its folder.
+    ``ValueError`` naming ``flag`` for a missing or truncated file, a checkpoint of another model
+    (the first tensor it lacks or holds in another shape) or data that does not load."""
+    folder = resolve_checkpoint_dir(path, flag=flag)
+    metadata = dist_io.read_metadata(folder, flag=flag)
+    mismatch = dist_io.shape_mismatch(model.sharded_state_dict(), metadata)
+    if mismatch:
+        raise ValueError(f"{flag} {folder}: a checkpoint of another model: {mismatch}")
+    try:
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(folder))
+    except (Exception, CheckpointException) as err:  # many kinds for damaged files; torch's is a BaseException
+        raise ValueError(f"{flag} {folder}: checkpoint is corrupt or incomplete ({dist_io.one_line(err)})") from err
     model.load_state_dict(state, strict=strict)
     return folder

@@ -45,3 +45,35 @@ def rope_parameters(hf: dict) -> dict:
         params["partial_rotary_factor"] = hf["partial_rotary_factor"]
     params.setdefault("rope_type", params.pop("type", "default"))
     return params
+
+
+# HF config fields that do not change the model's weights or function (bookkeeping, generation
+# and training settings, the position budget, which a run may raise: --max-position-embeddings)
+NOT_ARCHITECTURE = frozenset({
+    "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache", "initializer_range",
+    "max_position_embeddings",
+    "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout", "output_router_logits",
+    "router_aux_loss_coef", "output_attentions", "output_hidden_states", "return_dict", "auto_map",
+})
+_ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
+
+
+def architecture_fields(hf: dict) -> dict:
+    """The fields of a (normalized) config that describe the model: every field but bookkeeping
+    (``NOT_ARCHITECTURE``, ``_``-prefixed), the rope settings flattened from either layout
+    (``rope_theta``, ``partial_rotary_factor``, ``rope_type``, other ones as ``rope_parameters.X``)."""
+    fields = {k: v for k, v in hf.items()
+              if not k.startswith("_") and k not in NOT_ARCHITECTURE and k not in _ROPE_FIELDS}
+    for key, value in rope_parameters(hf).items():
+        fields[key if key.startswith("rope_") or key == "partial_rotary_factor" else f"rope_parameters.{key}"] = value
+    return fields
+
+
+def architecture_differences(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
+    """``[(field, value in a, value in b)]`` for every architecture field (``architecture_fields``)
+    that both configs set, to different values; only ``model_type`` when that differs (the other
+    fields of two families do not compare)."""
+    if a.get("model_type") != b.get("model_type"):
+        return [("model_type", a.get("model_type"), b.get("model_type"))]
+    fa, fb = architecture_fields(a), architecture_fields(b)
+    return [(k, fa[k], fb[k]) for k in fa if k in fb and fa[k] != fb[k]]

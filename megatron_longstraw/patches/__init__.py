@@ -15,6 +15,9 @@ package monkeypatches Megatron. Current patches:
   keep fp64 for fp64 logits (Megatron's in fp32; same selection; no change below fp64).
 - ``cross_entropy_precision`` (everywhere): Megatron's vocab-parallel cross entropy keeps fp64
   for fp64 logits (Megatron's in fp32; no change below fp64).
+- ``save_results_in_process`` (everywhere): Megatron's synchronous checkpoint save keeps its
+  write results in this process instead of a spawned manager's queue, so it starts no process
+  (none lives on after a killed trainer).
 - ``no_compile`` (CPU, or a GPU process with ``LONGSTRAW_NO_COMPILE=1``: the GPU test tier):
   Megatron's ``torch.compile``'d helpers run eagerly.
 
@@ -42,6 +45,7 @@ PATCHES = (
     "attention_gate_precision",
     "moe_router_precision",
     "cross_entropy_precision",
+    "save_results_in_process",
     "cpu_current_device",
     "cpu_rng_tracker",
     "cpu_gated_delta_kernels",

@@ -5,14 +5,17 @@
 * a registered name (``exact_match``, ``synthetic_retrieval``, or one added with
   ``register_reward``): its factory is called with a ``RewardContext``;
 * ``module:function`` (``function`` may be a dotted attribute path): imported from
-  ``sys.path`` and used as is; it must have the common per-sample signature
-  ``function(prompt_ids, response_ids, answer, metadata) -> float``.
+  ``sys.path`` or the working directory (as under ``python -m``) and used as is; it must have
+  the common per-sample signature ``function(prompt_ids, response_ids, answer, metadata) ->
+  float``.
 
 Unknown names, modules that cannot be imported and missing or non-callable attributes raise a
 ``ValueError`` naming ``--reward-fn``.
 """
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,10 +50,15 @@ def register_reward(name: str):
 
 
 def load_user_reward(spec: str, flag: str = "--reward-fn") -> Callable:
-    """The callable named by ``module:function``."""
+    """The callable named by ``module:function``; the working directory is put first on
+    ``sys.path`` when it is not there (``python -m`` does the same; ``python train_grpo.py`` puts
+    the script's folder there instead)."""
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
         raise ValueError(f"{flag} {spec!r}: expected module:function")
+    cwd = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

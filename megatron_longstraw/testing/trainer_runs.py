@@ -2,22 +2,23 @@
 
 
 def train_worker(argv: list[str]) -> dict:
-    """``train_grpo.train`` on ``argv`` in this rank; returns the last metrics, this rank's
+    """``training.loop.train`` on ``argv`` in this rank; returns the last metrics, this rank's
     parameters (CPU copies, named by global layer number: a pipeline stage's layers are
     numbered from 0 locally) and, for tensor-parallel ones, how TP splits them
     (``{name: (partition dim, fused sections)}``, see ``builder.shard_for_rank``)."""
-    import train_grpo
     from megatron_longstraw.distributed import destroy_distributed, init_distributed
     from megatron_longstraw.models.registry import family_for
     from megatron_longstraw.testing.parity import pipeline_global_names
+    from megatron_longstraw.training.arguments import parse_args
+    from megatron_longstraw.training.loop import train
 
     import torch
 
-    args = train_grpo.parse_args(argv, world_size=torch.distributed.get_world_size()
+    args = parse_args(argv, world_size=torch.distributed.get_world_size()
                                  if torch.distributed.is_initialized() else _world_size())
     init_distributed(args.parallel, seed=args.seed)
     try:
-        metrics, model = train_grpo.train(args)
+        metrics, model = train(args)
         rename = pipeline_global_names(model)
         # numpy: pickles by value
         params = {rename(n): p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}

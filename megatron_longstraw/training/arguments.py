@@ -2,89 +2,123 @@
 
 Defaults are the embedded demo: the tiny hybrid model (``qwen3.5-debug``) on the built-in
 synthetic retrieval task, a few steps on CPU (or GPU), wandb offline, a checkpoint under runs/.
+
+The parser imports no torch, Megatron or transformers (``--help`` answers at once); what needs
+them (the registered losses, the parallel layout, an out-of-tree model family) is checked after
+parsing, in ``validate_args``.
 """
 
 import argparse
 import dataclasses
 import math
 import os
+from pathlib import Path
 
 from megatron_longstraw.attention.kernel_options import ATTENTION_BACKENDS, DSA_TOPK_MODES, KernelOptions
-from megatron_longstraw.distributed import ParallelSizes
-from megatron_longstraw.grpo.registry import POLICY_LOSSES, get_policy_loss
-from megatron_longstraw.models.registry import load_family
+
+
+DEFAULT_MODEL = "qwen3.5-debug"
 
 
 def _model(p):
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="qwen3.5-debug", help="preset name or HF folder / config.json")
-    g.add_argument("--hf-config", default=None, help="HF config.json or folder (overrides --model)")
+    g.add_argument("--model", default=None,
+                   help="preset name, HF folder / config.json, or a checkpoint folder (tools/convert_checkpoint.py "
+                        "output or a trainer save: its hf_config.json) (default: the --pretrained-checkpoint's "
+                        f"model, else {DEFAULT_MODEL})")
+    g.add_argument("--hf-config", default=None, help="HF config.json or folder (overrides --model; default: unset)")
     g.add_argument("--model-family", default=None, metavar="MODULE_OR_PATH",
                    help="an out-of-tree model family (dotted module path or .py file) serving its MODEL_TYPES; "
-                        "registered before --model / --hf-config is resolved")
+                        "registered before --model / --hf-config is resolved (default: the built-in families)")
     g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="override the model's position budget (RoPE extrapolation)")
-    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"])
-    g.add_argument("--recompute-granularity", default=None, choices=[None, "full"])
+                   help="override the model's position budget (RoPE extrapolation; default: the model's)")
+    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+                   help="Megatron's layers: local (plain torch) or transformer_engine (needs Transformer "
+                        "Engine; FP8)")
+    g.add_argument("--recompute-granularity", default=None, choices=["full"],
+                   help="full: recompute each layer's activations in backward instead of keeping them "
+                        "(default: keep them)")
 
 
 def _parallel(p):
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP: ranks that split each layer's weights and heads")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="CP: ranks that split each prompt's positions (pages stay, queries travel)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP: ranks that split the MoE experts")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="PP: pipeline stages, each a run of consecutive layers")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=1,
                    help="model chunks per pipeline rank (Megatron's interleaved schedule)")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP: split the activations outside attention and MLP over the sequence")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer)")
 
 
 def _precision(p):
     g = p.add_argument_group("precision")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters with fp32 main weights")
-    g.add_argument("--fp8-format", default=None, choices=[None, "hybrid", "e4m3"])
-    g.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8"])
+    g.add_argument("--fp8-format", default=None, choices=["hybrid", "e4m3"],
+                   help="FP8 matmuls through Transformer Engine: hybrid (e4m3 forward, e5m2 gradients) or e4m3 "
+                        "(default: no FP8)")
+    g.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
+                   help="FP8 scaling recipe (with --fp8-format)")
 
 
 def _optimizer(p):
     g = p.add_argument_group("optimizer and learning-rate schedule")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine", "inverse-square-root"])
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (Adam)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
+    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   help="learning-rate schedule after the warm-up")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="steps of linear warm-up from 0 to --lr")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="steps over which the learning rate decays to --min-lr (default: --train-iters)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled (AdamW-style) weight decay")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this; 0: no clipping")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's first-moment decay")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam's second-moment decay")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon")
 
 
 def _training(p):
     g = p.add_argument_group("training")
-    g.add_argument("--train-iters", type=int, default=4)
+    g.add_argument("--train-iters", type=int, default=4, help="optimizer steps of the run (a resume counts the loaded ones)")
     g.add_argument("--global-batch-size", type=int, default=2, help="prompt groups per optimizer step")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234, help="seed of the initialization, the data and the sampling")
 
 
 def _checkpointing(p):
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default="runs/grpo-demo/checkpoints")
-    g.add_argument("--load", default=None, help="resume from this save directory or checkpoint")
-    g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
-    g.add_argument("--no-save", action="store_true", help="write no checkpoint")
+    g.add_argument("--save", default="runs/grpo-demo/checkpoints",
+                   help="checkpoint folder: iter_XXXXXXX/ per save, and the latest's number")
+    g.add_argument("--load", default=None,
+                   help="resume from this save directory or checkpoint (default: --save when it holds a checkpoint)")
+    g.add_argument("--no-load", action="store_true",
+                   help="start fresh even when --save holds a checkpoint (refused there without --overwrite)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="let a fresh run use a --save that holds checkpoints (each replaced only when this run "
+                        "saves that iteration) and a --wandb-save-dir with an earlier run's metrics.jsonl (kept as "
+                        "metrics.jsonl.N)")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N steps (default: only at the end)")
+    g.add_argument("--no-save", action="store_true", help="write no checkpoint (nor resume from --save)")
     g.add_argument("--pretrained-checkpoint", default=None,
-                   help="initial weights: a Megatron checkpoint from tools/convert_checkpoint.py")
+                   help="initial weights and the model: a Megatron checkpoint from tools/convert_checkpoint.py, "
+                        "whose hf_config.json gives the model (a --model / --hf-config must describe the same "
+                        "architecture) (default: random initialization)")
 
 
 def _logging(p):
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--wandb-project", default=None, help="log online to this project (else offline)")
-    g.add_argument("--wandb-exp-name", default="grpo-demo")
-    g.add_argument("--wandb-save-dir", default="runs/grpo-demo")
-    g.add_argument("--wandb-mode", default=None, choices=[None, "online", "offline", "disabled"],
+    g.add_argument("--log-interval", type=int, default=1,
+                   help="a console line every N steps (metrics.jsonl and wandb get every step)")
+    g.add_argument("--wandb-project", default=None,
+                   help="wandb project, logged online when credentials exist (default: megatron-longstraw, offline)")
+    g.add_argument("--wandb-exp-name", default="grpo-demo", help="wandb run name")
+    g.add_argument("--wandb-save-dir", default="runs/grpo-demo", help="folder of metrics.jsonl and the wandb files")
+    g.add_argument("--wandb-mode", default=None, choices=["online", "offline", "disabled"],
                    help="default: online with --wandb-project and credentials, else offline")
     g.add_argument("--progress", action="store_true",
                    help="progress bars for capture and decoding also without a terminal")
@@ -95,35 +129,42 @@ def _logging(p):
 def _grpo(p):
     g = p.add_argument_group("GRPO")
     g.add_argument("--num-generations", type=int, default=4, help="G: responses per prompt")
-    g.add_argument("--loss-type", default="grpo", choices=list(POLICY_LOSSES),
-                   help="policy loss (grpo/registry.py): grpo (clipped surrogate), dr_grpo (Dr. GRPO: token sum "
+    g.add_argument("--loss-type", default="grpo", metavar="NAME",
+                   help="policy loss registered in grpo/registry.py: grpo (clipped surrogate), dr_grpo (Dr. GRPO: token sum "
                         "over max-response-length x responses, no std normalization), gspo (sequence-level "
                         "ratio and clip), cispo (REINFORCE with a clipped stop-gradient IS weight)")
     g.add_argument("--clip-eps-low", type=float, default=0.2,
                    help="ratio floor 1 - eps, shared by every loss (gspo clips sequence ratios: ~3e-4)")
     g.add_argument("--clip-eps-high", type=float, default=0.28,
                    help="ratio ceiling 1 + eps, shared by every loss (gspo clips sequence ratios: ~4e-4)")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="> 0 keeps a frozen reference model")
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="coefficient of the KL penalty to a frozen reference model (kept only when > 0)")
     g.add_argument("--loss-aggregation", default=None, choices=["token", "sequence"],
                    help="default: the loss's own, token (gspo: sequence, the only one it takes; dr_grpo and "
                         "cispo take only token)")
     g.add_argument("--advantage-normalization", default=None, choices=["group-std", "none"],
                    help="default: the loss's own, group-std (dr_grpo: none, the only one it takes)")
-    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="coefficient of the entropy bonus")
 
 
 def _rollout(p):
     g = p.add_argument_group("rollout")
-    g.add_argument("--max-response-length", type=int, default=8)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--rollout-source", default="internal", choices=["internal", "jsonl"])
-    g.add_argument("--rollout-path", default=None, help="JSONL of prompts with G responses (jsonl source)")
+    g.add_argument("--max-response-length", type=int, default=8, help="most tokens of a sampled response")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of tokens of this much probability")
+    g.add_argument("--rollout-source", default="internal", choices=["internal", "jsonl"],
+                   help="internal: sample G responses from the policy; jsonl: prompts and responses from "
+                        "--rollout-path")
+    g.add_argument("--rollout-path", default=None,
+                   help="JSONL of prompts with G responses (--rollout-source jsonl; default: unset)")
 
 
 def _reward(p):
     g = p.add_argument_group("reward")
-    g.add_argument("--reward-fn", default="synthetic_retrieval", help="builtin name or module:function")
+    g.add_argument("--reward-fn", default="synthetic_retrieval",
+                   help="builtin name, or module:function (imported from sys.path or the working directory); "
+                        "called once at start-up on the first record, so a broken one fails before training")
     g.add_argument("--reward-partial-credit", type=float, default=0.0,
                    help="synthetic_retrieval: credit c in [0, 1) times the correct fraction of a wrong value")
 
@@ -133,14 +174,16 @@ def _data(p):
     g.add_argument("--data-path", default="synthetic", help="JSONL prompts, or 'synthetic'")
     g.add_argument("--max-prompt-length", type=int, default=None,
                    help="default: the model's positions minus --max-response-length")
-    g.add_argument("--synthetic-prompt-length", type=int, default=256)
-    g.add_argument("--synthetic-num-records", type=int, default=4)
-    g.add_argument("--synthetic-value-length", type=int, default=1)
+    g.add_argument("--synthetic-prompt-length", type=int, default=256, help="tokens of a synthetic retrieval prompt")
+    g.add_argument("--synthetic-num-records", type=int, default=4, help="key-value records hidden in a synthetic prompt")
+    g.add_argument("--synthetic-value-length", type=int, default=1, help="tokens of a synthetic record's value")
     g.add_argument("--synthetic-vocab-size", type=int, default=None,
                    help="the task uses ids [0, N) only (markers, keys, values, filler); default: the model's")
     g.add_argument("--tokenizer-type", default="NullTokenizer",
-                   choices=["NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"])
-    g.add_argument("--tokenizer-model", default=None, help="tokenizer folder or file")
+                   choices=["NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"],
+                   help="Megatron tokenizer (NullTokenizer: the data are token ids)")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="tokenizer folder or file (every --tokenizer-type but NullTokenizer; default: unset)")
 
 
 def _longstraw(p):
@@ -195,9 +238,25 @@ GROUPS = (_model, _parallel, _precision, _optimizer, _training, _checkpointing, 
           _rollout, _reward, _data, _longstraw, _kernels)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Ends each flag's help with its default, ``(default: X)``, unless the help states it itself
+    (as every flag whose default is None does) or the flag is a switch (off unless given)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or "default" in text or any(
+                action.default is unset for unset in (None, False, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+    def _get_default_metavar_for_optional(self, action):
+        return {int: "N", float: "X"}.get(action.type, action.dest.upper())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser with every group."""
-    parser = argparse.ArgumentParser(description="GRPO on LongStraw (capture once, replay each response)")
+    parser = argparse.ArgumentParser(description="GRPO on LongStraw (capture once, replay each response)",
+                                     usage="%(prog)s [options]", formatter_class=HelpFormatter)
     for group in GROUPS:
         group(parser)
     return parser
@@ -212,8 +271,16 @@ def _positive(args, *names):
 
 def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     """Check every flag and fill derived values; raises ``ValueError`` naming the flag."""
+    from megatron_longstraw.distributed import ParallelSizes  # these import torch: after parsing
+    from megatron_longstraw.grpo.registry import get_policy_loss
+    from megatron_longstraw.models.registry import load_family
+
     _positive(args, "train_iters", "global_batch_size", "num_generations", "max_response_length",
               "prompt_chunk_size", "replay_micro_batch_size", "log_interval")
+    if args.num_generations < 2:  # every loss trains on grpo/advantages.py's group_advantages
+        raise ValueError(f"--num-generations must be >= 2, got {args.num_generations}: advantages are "
+                         "group-relative (each reward minus its group's mean), so a group of one sample has "
+                         "advantage 0 and nothing trains")
     if args.save_interval is not None and args.save_interval < 1:
         raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
     args.parallel = ParallelSizes(args.tensor_model_parallel_size, args.context_parallel_size,
@@ -255,17 +322,24 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ValueError(f"--data-path {args.data_path}: no such file")
     if args.tokenizer_type != "NullTokenizer" and not args.tokenizer_model:
         raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    extra_family = None
     if args.model_family:
         try:
-            load_family(args.model_family)
+            extra_family = load_family(args.model_family)
         except ValueError as err:
             raise ValueError(f"--model-family: {err}") from None
+    if ":" in args.reward_fn:  # imported now: a missing module or function fails before the model is built
+        from megatron_longstraw.rewards.registry import load_user_reward
+
+        load_user_reward(args.reward_fn)
     if args.fp8_format and args.transformer_impl != "transformer_engine":
         raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
     for flag in ("load", "pretrained_checkpoint"):
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
             raise ValueError(f"--{flag.replace('_', '-')} {path}: no such checkpoint")
+    _resume_or_start_fresh(args)
+    args.model_source = _model_source(args, extra_family)
     if args.parallel.pipeline > 1 and args.replay_mode != "longstraw":
         raise ValueError(f"--pipeline-model-parallel-size {args.parallel.pipeline} needs --replay-mode longstraw "
                          "(the full-graph baseline has no pipeline path)")
@@ -273,6 +347,87 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ValueError("--context-parallel-size > 1 needs --replay-mode longstraw (the full-graph "
                          "baseline has no CP path)")
     return args
+
+
+def _resume_or_start_fresh(args) -> None:
+    """``--load`` defaults to ``--save`` when it holds a checkpoint (``--no-load``, ``--no-save``:
+    not). A fresh run never silently replaces an earlier one: without ``--overwrite`` it is
+    refused where ``--save`` holds checkpoints or ``--wandb-save-dir`` holds metrics rows."""
+    import re
+
+    from megatron_longstraw.checkpointing.model_checkpoint import TRACKER_NAME
+    from megatron_longstraw.training.run_logger import METRICS_NAME, has_rows
+
+    if args.no_load and args.load is not None:
+        raise ValueError(f"--no-load contradicts --load {args.load}")
+    save = Path(args.save)
+    tracker = save / TRACKER_NAME
+    if args.load is None and not args.no_load and not args.no_save and tracker.is_file():
+        args.load = args.save
+        return
+    if args.load is not None or args.overwrite:
+        return
+    saved = sorted(p.name for p in save.glob("iter_*") if re.fullmatch(r"iter_\d{7}", p.name) and p.is_dir())
+    if not args.no_save and tracker.is_file():
+        raise ValueError(f"--save {save} already holds a checkpoint (iteration {tracker.read_text().strip()}) and "
+                         "--no-load starts fresh: add --overwrite to start anyway (a checkpoint is replaced only "
+                         "when this run saves its iteration), or drop --no-load to resume from it")
+    if not args.no_save and saved:
+        raise ValueError(f"--save {save} holds checkpoints (the newest: {saved[-1]}) but no {TRACKER_NAME}, so a "
+                         f"fresh run would replace them: resume one with --load {save / saved[-1]}, or start "
+                         "fresh with --no-load --overwrite")
+    metrics = Path(args.wandb_save_dir) / METRICS_NAME
+    if has_rows(metrics):
+        why = ("--no-load" if args.no_load else "--no-save: nothing is resumed" if args.no_save
+               else f"no checkpoint in --save {save}")
+        raise ValueError(f"{metrics} holds an earlier run's metrics and this run starts fresh ({why}): add "
+                         f"--overwrite to start anyway (that file is then kept as {METRICS_NAME}.N), or resume "
+                         "that run with --load")
+
+
+def _model_source(args, extra_family) -> str:
+    """What the model config is read from: the ``--pretrained-checkpoint`` when it stores one
+    (``--model`` / ``--hf-config``, when given, must describe the same architecture), else
+    ``--hf-config``, ``--model`` or the default preset."""
+    from megatron_longstraw.checkpointing.model_checkpoint import (has_hf_config, read_hf_config,
+                                                                   resolve_checkpoint_dir, resolve_model_config)
+    from megatron_longstraw.models.hf_config import architecture_differences
+    from megatron_longstraw.models.registry import family_for
+
+    flag, given = ("--hf-config", args.hf_config) if args.hf_config else ("--model", args.model)
+    if args.pretrained_checkpoint is None:
+        return given or DEFAULT_MODEL
+    folder = resolve_checkpoint_dir(args.pretrained_checkpoint, flag="--pretrained-checkpoint")
+    if not has_hf_config(folder):
+        if given is None:
+            raise ValueError(f"--pretrained-checkpoint {folder}: the checkpoint does not store its model "
+                             "(no hf_config.json); pass --model")
+        return given
+    stored = read_hf_config(folder, flag="--pretrained-checkpoint")
+    if given is None:
+        return args.pretrained_checkpoint
+
+    def normalized(hf):
+        model_type = hf.get("model_type")
+        family = extra_family if extra_family and model_type in extra_family.MODEL_TYPES else None
+        try:
+            family = family or family_for(model_type)
+        except ValueError as err:  # an unknown model_type: name the file
+            raise ValueError(f"{hf.get('_source', 'config')}: {err}") from None
+        return family.normalize_hf_config(hf)
+
+    differences = architecture_differences(normalized(resolve_model_config(given, flag=flag)), normalized(stored))
+    if differences:
+        shown = ", ".join(f"{field} {_short(mine)} vs {_short(theirs)}" for field, mine, theirs in differences)
+        raise ValueError(f"{flag} {given} is another model than --pretrained-checkpoint {folder} ({shown}); "
+                         f"leave out {flag} to train the checkpoint's model")
+    return args.pretrained_checkpoint
+
+
+def _short(value, limit: int = 60) -> str:
+    """A config value on at most ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:

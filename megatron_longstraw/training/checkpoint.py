@@ -13,6 +13,7 @@ mid-save leaves the previous checkpoint as the latest and loadable.
 import os
 import random
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_longstraw.checkpointing import dist_io
 from megatron_longstraw.checkpointing.model_checkpoint import TRACKER_NAME, resolve_checkpoint_dir, write_hf_config
 
 
@@ -62,7 +64,9 @@ def _sharded_state(model, optimizer, reference, rng, is_loading: bool = False) -
 
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, trainer_state: dict,
                     hf_config: dict, reference=None) -> Path:
-    """Save atomically as ``<save_dir>/iter_XXXXXXX``; every rank calls it."""
+    """Save atomically as ``<save_dir>/iter_XXXXXXX``; every rank calls it. Rank 0 prints a line
+    with the folder and the seconds the save took."""
+    start = time.perf_counter()
     save_dir = Path(save_dir)
     final = save_dir / f"iter_{iteration:07d}"
     temporary = save_dir / f"iter_{iteration:07d}.tmp"
@@ -93,6 +97,8 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
         tracker_tmp.write_text(f"{iteration}\n")
         os.replace(tracker_tmp, save_dir / TRACKER_NAME)
     torch.distributed.barrier()
+    if rank0:
+        print(f"saved checkpoint iteration {iteration} to {final} ({time.perf_counter() - start:.1f} s)", flush=True)
     return final
 
 
@@ -102,6 +108,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, reference=None) -> d
     folder = resolve_checkpoint_dir(path, flag="--load")
     if not (folder / "metadata.json").is_file():
         raise ValueError(f"--load {folder}: not a Megatron distributed checkpoint (no metadata.json)")
+    metadata = dist_io.read_metadata(folder)  # names a missing or truncated file
     try:
         common = dist_checkpointing.load_common_state_dict(str(folder))
     except (Exception, CheckpointException) as err:
@@ -118,6 +125,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler, reference=None) -> d
     if not same_world and torch.distributed.get_rank() == 0:
         warnings.warn(f"--load {folder}: saved with world size {common.get('world_size')}, resuming with "
                       f"{torch.distributed.get_world_size()}: RNG states are not restored")
+    mismatch = dist_io.shape_mismatch(model.sharded_state_dict(), metadata)
+    if mismatch:
+        raise ValueError(f"--load {folder}: a checkpoint of another model: {mismatch}")
     template = _sharded_state(model, optimizer, reference, _rng_state() if same_world else None, is_loading=True)
     try:
         state = dist_checkpointing.load(template, str(folder))
@@ -134,3 +144,19 @@ def load_checkpoint(path: str, model, optimizer, scheduler, reference=None) -> d
         _set_rng_state(state["rng_state"])
     return {"iteration": state["iteration"], "trainer": state["trainer"]}
 
+
+
+def checkpoint_iteration(path: str) -> int:
+    """The iteration of the training checkpoint ``path`` (a save directory's latest, or an
+    ``iter_XXXXXXX`` folder), read from its common state without building or loading a model."""
+    folder = resolve_checkpoint_dir(path, flag="--load")
+    dist_io.read_metadata(folder)  # names a missing or truncated file
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(folder))
+    except (Exception, CheckpointException) as err:
+        raise ValueError(f"--load {folder}: checkpoint is corrupt or incomplete (its common state does not "
+                         f"load: {type(err).__name__})") from err
+    if "iteration" not in common or "trainer" not in common:
+        raise ValueError(f"--load {folder}: not a training checkpoint (no 'iteration'); for initial weights "
+                         "use --pretrained-checkpoint")
+    return int(common["iteration"])

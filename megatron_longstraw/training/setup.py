@@ -1,9 +1,11 @@
 """What ``train_grpo.py`` builds from its arguments: the policy (and frozen reference), the
 tokenizer, the prompt source and the reward function."""
 
+import itertools
+
 import torch
 
-from megatron_longstraw.checkpointing.model_checkpoint import load_model_checkpoint
+from megatron_longstraw.checkpointing.model_checkpoint import load_model_checkpoint, resolve_model_config
 from megatron_longstraw.distributed import device
 from megatron_longstraw.data.external_rollouts import ExternalRolloutDataset
 from megatron_longstraw.data.prompts import PromptDataset, resolve_max_prompt_length
@@ -12,20 +14,23 @@ from megatron_longstraw.data.tokenizer import build_tokenizer
 from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.models.registry import family_for, register_family
 from megatron_longstraw.rewards.registry import build_reward
+from megatron_longstraw.rewards.scoring import score_group
 from megatron_longstraw.training.grpo_step import PromptGroup
 
 
 def build_policy(args):
     """``(hf_config, model, reference or None, tokenizer)``. ``--model-family`` registers an
-    out-of-tree family first; the family refuses layouts it lacks. ``--pretrained-checkpoint`` (a
-    converted Megatron checkpoint) gives the initial weights; the reference is a frozen copy of
-    them, kept only when ``--kl-coef`` > 0."""
+    out-of-tree family first; the family refuses layouts it lacks. The model config is
+    ``args.model_source``'s (``validate_args``): ``--pretrained-checkpoint`` (a converted Megatron
+    checkpoint) gives the model and the initial weights; the reference is a frozen copy of them,
+    kept only when ``--kl-coef`` > 0."""
     if args.model_family:
         register_family(args.model_family)
-    hf = resolve_hf_config(args.hf_config or args.model)
+    from_checkpoint = args.model_source == args.pretrained_checkpoint
+    hf = resolve_model_config(args.model_source, flag="--pretrained-checkpoint" if from_checkpoint else
+                              "--hf-config" if args.hf_config else "--model")
     if args.max_position_embeddings:
         hf["max_position_embeddings"] = args.max_position_embeddings
     family = family_for(hf["model_type"])
@@ -38,7 +43,7 @@ def build_policy(args):
     if args.prompt_gradient == "exact" and args.replay_mode == "longstraw":
         check_prompt_gradient_support(model)
     if args.pretrained_checkpoint:
-        load_model_checkpoint(model, args.pretrained_checkpoint)
+        load_model_checkpoint(model, args.pretrained_checkpoint, flag="--pretrained-checkpoint")
     reference = None
     if args.kl_coef > 0:
         reference = build_stage_model(hf, options)
@@ -103,7 +108,29 @@ def build_prompt_source(args, hf: dict, tokenizer) -> PromptSource:
                                       max_prompt_length=max_prompt, seed=args.seed, flag="--data-path"))
 
 
-def build_reward_fn(args, tokenizer):
-    """The ``--reward-fn`` reward."""
-    return build_reward(args.reward_fn, eos_id=tokenizer.eos_id, tokenizer=tokenizer,
-                        partial_credit=args.reward_partial_credit)
+def build_reward_fn(args, tokenizer, source: PromptSource | None = None):
+    """The ``--reward-fn`` reward. Given the prompt ``source``, it is called once right away
+    (``check_reward_fn``), so a reward that fails does so at start-up, not after the first
+    group's capture and rollout."""
+    reward = build_reward(args.reward_fn, eos_id=tokenizer.eos_id, tokenizer=tokenizer,
+                          partial_credit=args.reward_partial_credit)
+    if source is not None:
+        check_reward_fn(reward, source.dataset, tokenizer.eos_id)
+    return reward
+
+
+def check_reward_fn(reward, dataset, eos_id: int | None) -> None:
+    """Call ``reward`` on the dataset's first record that it would score (external rollouts skip
+    groups whose file gives their rewards; none left: no call), with a one-token response (EOS)
+    for sampled rollouts or the record's first response; what it raises or returns is checked
+    as in training (``score_group``: a ``ValueError`` naming ``--reward-fn`` and the record)."""
+    for i in itertools.count():
+        try:
+            item = dataset[i]
+        except IndexError:
+            return
+        if getattr(item, "rewards_G", None) is None:
+            break
+    responses = getattr(item, "responses", None) or [torch.tensor([0 if eos_id is None else eos_id])]
+    score_group(reward, item.prompt_ids_P.to(device()), [responses[0].to(device())], item.answer, item.metadata,
+                source=f"{item.source} (start-up check)")

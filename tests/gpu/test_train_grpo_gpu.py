@@ -9,18 +9,20 @@ pytestmark = pytest.mark.gpu
 
 
 def test_trainer_bf16_steps_on_gpu(tmp_path):
-    import train_grpo
+    from megatron_longstraw.distributed import destroy_distributed, init_distributed
+    from megatron_longstraw.training.arguments import parse_args
+    from megatron_longstraw.training.loop import train
 
     argv = ["--bf16", "--train-iters", "2", "--global-batch-size", "2", "--num-generations", "4",
             "--synthetic-prompt-length", "4000", "--prompt-chunk-size", "1024", "--max-response-length", "16",
             "--save", str(tmp_path / "ckpt"), "--wandb-save-dir", str(tmp_path / "w"), "--wandb-mode", "disabled",
             "--kl-coef", "0.01"]
-    args = train_grpo.parse_args(argv)
-    train_grpo.init_distributed(args.parallel, seed=args.seed)
+    args = parse_args(argv)
+    init_distributed(args.parallel, seed=args.seed)
     try:
-        metrics, model = train_grpo.train(args)
+        metrics, model = train(args)
     finally:
-        train_grpo.destroy_distributed()
+        destroy_distributed()
     rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert next(model.parameters()).is_cuda

@@ -1,0 +1,95 @@
+"""The training loop of ``train_grpo.py``: ``--train-iters`` GRPO steps, each ``--global-batch-size``
+prompt groups (``grpo_step.train_group``), the loss's end-of-step scale, Megatron's optimizer,
+metrics and checkpoints. Imported after the arguments are parsed (``train_grpo.main``)."""
+
+import time
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_longstraw.checkpointing.model_checkpoint import resolve_checkpoint_dir
+from megatron_longstraw.distributed import device
+from megatron_longstraw.grpo.registry import get_policy_loss
+from megatron_longstraw.training.checkpoint import checkpoint_iteration, load_checkpoint, save_checkpoint
+from megatron_longstraw.training.grpo_step import PhaseClock, train_group
+from megatron_longstraw.training.metrics import reduce_step_metrics, throughput_metrics
+from megatron_longstraw.training.optimizer import build_optimizer, build_scheduler, finish_gradients, wrap_ddp
+from megatron_longstraw.training.run_logger import RunLogger
+from megatron_longstraw.training.setup import build_policy, build_prompt_source, build_reward_fn
+
+
+def train(args):
+    """Run ``args.train_iters`` optimizer steps; returns the last step's metrics and the model
+    (``{}, None`` when the checkpoint to resume is already at ``--train-iters``: nothing is touched)."""
+    rank0 = torch.distributed.get_rank() == 0
+    if args.load:
+        done = checkpoint_iteration(args.load)
+        if done >= args.train_iters:
+            if rank0:
+                print(f"nothing to do: {resolve_checkpoint_dir(args.load)} is at iteration {done}, "
+                      f"--train-iters is {args.train_iters}", flush=True)
+            return {}, None
+    hf, model, reference, tokenizer = build_policy(args)
+    ddp = wrap_ddp(model, args)
+    optimizer = build_optimizer(ddp, args)
+    scheduler = build_scheduler(optimizer, args)
+    source = build_prompt_source(args, hf, tokenizer)
+    reward_fn = build_reward_fn(args, tokenizer, source)  # called once here: a broken reward fails now
+    iteration, trainer_state = 0, {}
+    if args.load:
+        load_start = time.perf_counter()
+        restored = load_checkpoint(args.load, model, optimizer, scheduler, reference)
+        iteration, trainer_state = restored["iteration"], restored["trainer"]
+        source.load_state_dict(trainer_state["data"])
+        if rank0:
+            auto = " (the latest in --save; --no-load starts fresh)" if args.load == args.save else ""
+            print(f"resuming from {resolve_checkpoint_dir(args.load)} at iteration {iteration}{auto}, loaded in "
+                  f"{time.perf_counter() - load_start:.1f} s", flush=True)
+    logger = RunLogger(args, {k: v for k, v in vars(args).items() if k != "parallel"},
+                       run_id=trainer_state.get("wandb_run_id"), resume_step=iteration)
+    generator = torch.Generator(device=device())  # sampling; reseeded per step so resumes are exact
+    dp_rank = parallel_state.get_data_parallel_rank()
+    groups_per_rank = args.global_batch_size // args.data_parallel_size
+    policy_loss = get_policy_loss(args.loss_type)
+    metrics = {}
+    try:
+        while iteration < args.train_iters:
+            start, clock = time.perf_counter(), PhaseClock()
+            generator.manual_seed(hash((args.seed, iteration, dp_rank)) % 2 ** 63)  # same on TP ranks
+            for chunk in ddp:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            groups = [train_group(model, source.next_group(), args, reward_fn=reward_fn, eos_id=tokenizer.eos_id,
+                                  generator=generator, groups_per_rank=groups_per_rank, reference=reference,
+                                  clock=clock) for _ in range(groups_per_rank)]
+            metrics = reduce_step_metrics(groups, policy_loss.summed_metrics)
+            gradient_scale = policy_loss.finish_step(metrics, args)  # the loss's end-of-step normalizer
+            if gradient_scale != 1.0:
+                for chunk in ddp:
+                    chunk.scale_gradients(gradient_scale)
+            lr = scheduler.get_lr(optimizer.param_groups[0])
+            with clock("optimizer"):
+                finish_gradients(ddp)
+                update_ok, grad_norm, _ = optimizer.step()
+                if update_ok:
+                    scheduler.step(increment=1)
+            iteration += 1
+            metrics.update(clock.metrics)
+            metrics.update(throughput_metrics(hf, model, groups, clock.metrics, args))
+            metrics.update({"optim/grad_norm": grad_norm if grad_norm is not None else float("nan"),
+                            "optim/lr": lr, "optim/update_ok": float(update_ok),
+                            "time/step_s": time.perf_counter() - start})
+            if torch.cuda.is_available():
+                metrics["mem/peak_gib"] = max(v for k, v in clock.metrics.items() if k.startswith("mem/"))
+            try:
+                if not args.no_save and (iteration == args.train_iters or
+                                         (args.save_interval and iteration % args.save_interval == 0)):
+                    save_start = time.perf_counter()
+                    state = {"data": source.state_dict(), "wandb_run_id": logger.run_id}
+                    save_checkpoint(args.save, iteration, model, optimizer, scheduler, state, hf, reference)
+                    metrics["time/save_s"] = time.perf_counter() - save_start
+            finally:  # the step's metrics, with its save's time; also when the save fails
+                logger.log(iteration, metrics)
+    finally:
+        logger.finish()
+    return metrics, model

@@ -1,0 +1,73 @@
+"""The launch scripts of ``examples/``: each, run as written for the hardware its header names,
+hands ``train_grpo.py`` an argument list the trainer accepts for that many processes, through the
+project's interpreter and ``torch.distributed.run`` with the multi-node variables
+(``examples/args/distributed.sh``) and the recipe variables (``examples/args/recipe.sh``).
+
+The interpreter is replaced by a stub that records its arguments (``PYTHON=...``, the scripts'
+own override), so nothing is launched."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_longstraw.training.arguments import parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _launch(tmp_path, script: str, env: dict) -> list[str]:
+    """The arguments ``examples/{script}`` gives the interpreter, with ``env`` set."""
+    record = tmp_path / "argv"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "{record}"\n')
+    stub.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    subprocess.run(["bash", str(ROOT / "examples" / script)], check=True, capture_output=True, timeout=60,
+                   env={**base, "PYTHON": str(stub), "RUN_DIR": str(tmp_path / "run"), **env})
+    return record.read_text().split("\0")[:-1]
+
+
+def _split(argv: list[str]) -> tuple[dict, list[str]]:
+    """``(launcher options, train_grpo.py arguments)``; the launcher runs as ``-m torch.distributed.run``."""
+    assert argv[:2] == ["-m", "torch.distributed.run"], argv[:4]
+    at = argv.index("train_grpo.py")
+    launcher = argv[2:at]
+    return dict(zip(launcher[::2], launcher[1::2])), argv[at + 1:]
+
+
+def test_qwen_recipe_one_node_and_multi_node(tmp_path):
+    """One node of 8 GPUs by default; four nodes through NNODES / NODE_RANK / MASTER_ADDR, the
+    global batch then one prompt per TP x CP replica; the recipe variables become flags."""
+    launcher, argv = _split(_launch(tmp_path, "qwen3.6-27b_2m_tp4_cp2.sh", {}))
+    assert launcher == {"--nproc-per-node": "8", "--nnodes": "1", "--node-rank": "0",
+                        "--master-addr": "localhost", "--master-port": "6000"}
+    args = parse_args(argv, world_size=8)
+    assert (args.tensor_model_parallel_size, args.context_parallel_size, args.global_batch_size) == (4, 2, 1)
+    assert args.save == str(tmp_path / "run" / "checkpoints") and args.data_path == "synthetic"
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n')
+    launcher, argv = _split(_launch(tmp_path, "qwen3.6-27b_2m_tp4_cp2.sh", {
+        "NNODES": "4", "NODE_RANK": "2", "MASTER_ADDR": "node0", "DATA_PATH": str(prompts),
+        "TOKENIZER_MODEL": str(tmp_path), "CHECKPOINT_PATH": str(tmp_path / "ckpt")}))
+    assert (launcher["--nnodes"], launcher["--node-rank"], launcher["--master-addr"]) == ("4", "2", "node0")
+    args = parse_args(argv, world_size=32)
+    assert args.global_batch_size == 4 and args.data_path == str(prompts)
+    assert args.tokenizer_type == "HuggingFaceTokenizer" and args.save == str(tmp_path / "ckpt")
+
+
+def test_glm_recipe_trains_on_rollouts_it_is_given(tmp_path):
+    """GLM-5 under CP 32 takes its prompt groups from ROLLOUT_PATH (it does not decode under CP):
+    without it the script stops with one line naming the variable; with it, four nodes."""
+    proc = subprocess.run(["bash", str(ROOT / "examples/glm-5_2m_cp32.sh")], capture_output=True, text=True,
+                          timeout=60, env={k: v for k, v in os.environ.items() if k != "ROLLOUT_PATH"})
+    assert proc.returncode != 0 and "ROLLOUT_PATH" in proc.stderr
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text('{"prompt_ids": [1, 2], "responses": [[3]]}\n')
+    launcher, argv = _split(_launch(tmp_path, "glm-5_2m_cp32.sh", {"ROLLOUT_PATH": str(rollouts)}))
+    assert launcher["--nnodes"] == "4" and launcher["--nproc-per-node"] == "8"
+    args = parse_args(argv, world_size=32)
+    assert (args.context_parallel_size, args.expert_model_parallel_size) == (32, 32)
+    assert args.rollout_source == "jsonl" and args.rollout_path == str(rollouts)
