@@ -23,7 +23,7 @@ def use_port(index: int) -> None:
     os.environ["MASTER_PORT"] = ports[index]
 
 
-def _worker(rank, world_size, ports, fn, args, queue):
+def _worker(rank, world_size, ports, job, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LONGSTRAW_RUN_PORTS=",".join(map(str, ports)))
@@ -32,6 +32,7 @@ def _worker(rank, world_size, ports, fn, args, queue):
 
         faulthandler.dump_traceback_later(float(os.environ["LONGSTRAW_WORKER_STACKS_AFTER"]), exit=True)
     try:
+        fn, args = torch.load(io.BytesIO(job), weights_only=False)
         # as bytes: tensors sent as shared-memory handles can outlive a rank that already exited
         buffer = io.BytesIO()
         torch.save(fn(*args), buffer)
@@ -53,15 +54,31 @@ def with_sizes(sizes, fn, *args):
     return fn(*args)
 
 
+# what every rank imports first: loaded once into the fork server, each rank forks from it
+_PRELOAD = ["torch", "megatron.core.parallel_state", "megatron_longstraw.distributed",
+            "megatron_longstraw.testing.multiprocess", "megatron_longstraw.models.builder",
+            "megatron_longstraw.testing.parity", "megatron_longstraw.longstraw.capture"]
+
+
+def _context():
+    """A fork server that has imported ``_PRELOAD``: a rank starts without importing torch and
+    Megatron again (fork server, not fork: the test process's threads and state stay out)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_multiprocess(fn, world_size: int, *args, timeout: float = 600.0) -> list:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks; returns results in rank order.
 
     ``fn`` must be importable (module level) and should call ``init_distributed`` itself.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     ports = free_ports(RUN_PORTS)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, ports, fn, args, queue))
+    job = io.BytesIO()  # as bytes: a fork server hands a rank at most a few file descriptors,
+    torch.save((fn, args), job)  # and tensors would each travel as one
+    procs = [ctx.Process(target=_worker, args=(r, world_size, ports, job.getvalue(), queue))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
