@@ -69,7 +69,7 @@ def _context():
 
 
 def run_multiprocess(fn, world_size: int, *args, timeout: float = 600.0) -> list:
-    """Run ``fn(*args)`` on ``world_size`` spawned ranks; returns results in rank order.
+    """Run ``fn(*args)`` on ``world_size`` ranks (processes of the fork server); returns results in rank order.
 
     ``fn`` must be importable (module level) and should call ``init_distributed`` itself.
     """
