@@ -244,6 +244,39 @@ def test_a_relaunch_resumes_and_a_fresh_start_loses_nothing(tmp_path, capsys):
         _train(_args(tmp_path, "--train-iters", "3"))
 
 
+def test_a_fresh_overwrite_run_that_crashes_before_saving_resumes_neither_run(tmp_path, monkeypatch):
+    """--no-load --overwrite over a finished run, killed in its first save: the earlier run's tracker
+    is set aside once the fresh run's first step is done, so a plain relaunch is refused (naming
+    the checkpoints) instead of resuming the earlier run into the fresh run's metrics; the earlier
+    run's checkpoint and metrics are kept."""
+    ckpt, wandb_dir = tmp_path / "ckpt", tmp_path / "wandb"
+    _train(_args(tmp_path, "--train-iters", "2"))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(loop, "save_checkpoint", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _train(_args(tmp_path, "--train-iters", "1", "--no-load", "--overwrite"))
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
+    assert (ckpt / "latest_checkpointed_iteration.txt.earlier").read_text().strip() == "2"
+    assert (ckpt / "iter_0000002").is_dir()
+    assert [r["step"] for r in _rows(wandb_dir)] == [1]  # the fresh run's
+    assert [json.loads(line)["step"] for line in (wandb_dir / "metrics.jsonl.1").read_text().splitlines()] == [1, 2]
+    with pytest.raises(ValueError, match="holds checkpoints .*iter_0000002.* but no latest_checkpointed_iteration"):
+        train_grpo.parse_args(_args(tmp_path, "--train-iters", "3"))
+
+
+def test_resuming_an_older_checkpoint_keeps_the_rows_it_redoes(tmp_path):
+    """An explicit --load of an older checkpoint into a run folder with later rows: the rows it
+    redoes are written again, and the file as it was is kept as metrics.jsonl.1."""
+    _train(_args(tmp_path, "--train-iters", "2", "--save-interval", "1"))
+    _train(_args(tmp_path, "--train-iters", "2", "--load", str(tmp_path / "ckpt" / "iter_0000001")))
+    assert [r["step"] for r in _rows(tmp_path / "wandb")] == [1, 2]
+    kept = (tmp_path / "wandb" / "metrics.jsonl.1").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in kept] == [1, 2]
+
+
 # what the libraries print at start-up and at the first save unless the trainer filters it
 LIBRARY_NOTICE = re.compile(r"warn|deprecat|experimental|not installed|not supported|^[DIWE]\d{4} ", re.IGNORECASE)
 

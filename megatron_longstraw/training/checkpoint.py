@@ -146,6 +146,18 @@ def load_checkpoint(path: str, model, optimizer, scheduler, reference=None) -> d
 
 
 
+def set_aside_tracker(save_dir: str) -> None:
+    """A fresh run into a ``--save`` that holds checkpoints (``--no-load --overwrite``), once its
+    first step is done (before it writes anything): the earlier run's tracker becomes
+    ``{TRACKER_NAME}.earlier``, so that a relaunch before this run's first save resumes neither run
+    unasked (it is refused, naming the checkpoints); the earlier checkpoints stay, each replaced
+    only when this run saves its iteration."""
+    tracker = Path(save_dir) / TRACKER_NAME
+    if torch.distributed.get_rank() == 0 and tracker.is_file():
+        os.replace(tracker, tracker.with_name(TRACKER_NAME + ".earlier"))
+        print(f"{tracker}: the earlier run's tracker is kept as {TRACKER_NAME}.earlier", flush=True)
+
+
 def checkpoint_iteration(path: str) -> int:
     """The iteration of the training checkpoint ``path`` (a save directory's latest, or an
     ``iter_XXXXXXX`` folder), read from its common state without building or loading a model."""

@@ -10,7 +10,8 @@ from megatron.core import parallel_state
 from megatron_longstraw.checkpointing.model_checkpoint import resolve_checkpoint_dir
 from megatron_longstraw.distributed import device
 from megatron_longstraw.grpo.registry import get_policy_loss
-from megatron_longstraw.training.checkpoint import checkpoint_iteration, load_checkpoint, save_checkpoint
+from megatron_longstraw.training.checkpoint import (
+    checkpoint_iteration, load_checkpoint, save_checkpoint, set_aside_tracker)
 from megatron_longstraw.training.grpo_step import PhaseClock, train_group
 from megatron_longstraw.training.metrics import reduce_step_metrics, throughput_metrics
 from megatron_longstraw.training.optimizer import build_optimizer, build_scheduler, finish_gradients, wrap_ddp
@@ -74,6 +75,8 @@ def train(args):
                 if update_ok:
                     scheduler.step(increment=1)
             iteration += 1
+            if iteration == 1 and args.overwrite and not args.no_save:  # a fresh run writes from now on
+                set_aside_tracker(args.save)
             metrics.update(clock.metrics)
             metrics.update(throughput_metrics(hf, model, groups, clock.metrics, args))
             metrics.update({"optim/grad_norm": grad_norm if grad_norm is not None else float("nan"),

@@ -8,9 +8,9 @@ still get every number, with one warning. A resumed run appends to the same wand
 appear in ``metrics.jsonl``, rewritten from the checkpoint's step on, but not again in wandb).
 
 ``metrics.jsonl`` is only touched when the first step is logged: a resumed run appends to it
-(after dropping the rows of the steps it redoes, replacing the file atomically); a fresh run into
-a run folder that has rows (``--overwrite``) first keeps the earlier run's file as
-``metrics.jsonl.N``. A truncated last line (a crash mid-write) is dropped with a warning.
+(after dropping the rows of the steps it redoes, replacing the file atomically and keeping the
+file as it was as ``metrics.jsonl.N``); a fresh run into a run folder that has rows
+(``--overwrite``) first keeps the earlier run's file as ``metrics.jsonl.N``. A truncated last line (a crash mid-write) is dropped with a warning.
 """
 
 import datetime
@@ -82,7 +82,8 @@ class RunLogger:
         self.path = self.dir / METRICS_NAME
         self.resume_step = resume_step
         self.jsonl = None
-        self.earlier_rows = read_metrics_rows(self.path) if self.path.is_file() else None  # checked up front
+        # a resumed run's rows are checked up front; a fresh run only sets the earlier file aside
+        self.earlier_rows = read_metrics_rows(self.path) if resume_step > 0 and self.path.is_file() else None
         self.dir.mkdir(parents=True, exist_ok=True)
         mode = args.wandb_mode or ("online" if args.wandb_project and _has_credentials() else "offline")
         if mode == "disabled":
@@ -103,21 +104,27 @@ class RunLogger:
         """Open ``metrics.jsonl`` for appending, at the first logged step (module doc): a fresh
         run keeps an earlier run's file as ``metrics.jsonl.N``; a resumed one keeps the rows up to
         its checkpoint's step, rewriting the file (write + ``os.replace``) only if that drops any."""
-        if self.earlier_rows is not None and self.path.is_file():
-            if self.resume_step == 0 and has_rows(self.path):
-                number = 1
-                while self.path.with_name(f"{METRICS_NAME}.{number}").exists():
-                    number += 1
-                kept = self.path.with_name(f"{METRICS_NAME}.{number}")
-                os.rename(self.path, kept)
-                print(f"{self.path}: the earlier run's metrics are kept as {kept}", flush=True)
-            else:
-                text = "".join(line + "\n" for step, line in self.earlier_rows if step <= self.resume_step)
-                if text != self.path.read_text(errors="replace"):
-                    partial = self.path.with_name(METRICS_NAME + ".tmp")
-                    partial.write_text(text)
-                    os.replace(partial, self.path)
+        if self.resume_step == 0 and has_rows(self.path):
+            print(f"{self.path}: the earlier run's metrics are kept as {self._set_aside()}", flush=True)
+        elif self.earlier_rows is not None and self.path.is_file():
+            text = "".join(line + "\n" for step, line in self.earlier_rows if step <= self.resume_step)
+            if text != self.path.read_text(errors="replace"):  # rows after the checkpoint's step
+                partial = self.path.with_name(METRICS_NAME + ".tmp")
+                partial.write_text(text)
+                kept = self._set_aside()  # the file as it was, whole
+                os.replace(partial, self.path)
+                print(f"{self.path}: the rows after step {self.resume_step} (this run writes them again) "
+                      f"are kept in {kept}", flush=True)
         self.jsonl = open(self.path, "a")
+
+    def _set_aside(self) -> Path:
+        """Rename ``metrics.jsonl`` to the first free ``metrics.jsonl.N``; returns that path."""
+        number = 1
+        while self.path.with_name(f"{METRICS_NAME}.{number}").exists():
+            number += 1
+        kept = self.path.with_name(f"{METRICS_NAME}.{number}")
+        os.rename(self.path, kept)
+        return kept
 
     def log(self, step: int, metrics: dict) -> None:
         """Record ``metrics`` for optimizer step ``step`` (1-based)."""
