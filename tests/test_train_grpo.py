@@ -267,6 +267,29 @@ def test_a_fresh_overwrite_run_that_crashes_before_saving_resumes_neither_run(tm
         train_grpo.parse_args(_args(tmp_path, "--train-iters", "3"))
 
 
+def _run_in_own_folder(folders):
+    """A rank of ``test_ranks_that_see_different_checkpoints_refuse_to_start``: the trainer with
+    its own --save; the one-line error it raises, if any."""
+    from megatron_longstraw.testing.trainer_runs import train_worker
+
+    try:
+        train_worker(_args(folders[int(os.environ["RANK"])], "--train-iters", "2", "--wandb-mode", "disabled"))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_that_see_different_checkpoints_refuse_to_start(tmp_path):
+    """Each rank decides from the files of --save whether to resume: two ranks that see different
+    files (one a checkpoint at iteration 1, one none) both stop with one error, before training."""
+    from megatron_longstraw.testing.multiprocess import run_multiprocess
+
+    _train(_args(tmp_path / "a", "--train-iters", "1", "--wandb-mode", "disabled"))
+    errors = run_multiprocess(_run_in_own_folder, 2, [tmp_path / "a", tmp_path / "b"])
+    assert all(e is not None and "ranks disagree on the iteration to resume from (from 0 to 1)" in e for e in errors), errors
+    assert not (tmp_path / "b" / "ckpt").exists()
+
+
 def test_resuming_an_older_checkpoint_keeps_the_rows_it_redoes(tmp_path):
     """An explicit --load of an older checkpoint into a run folder with later rows: the rows it
     redoes are written again, and the file as it was is kept as metrics.jsonl.1."""

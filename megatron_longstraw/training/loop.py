@@ -23,8 +23,9 @@ def train(args):
     """Run ``args.train_iters`` optimizer steps; returns the last step's metrics and the model
     (``{}, None`` when the checkpoint to resume is already at ``--train-iters``: nothing is touched)."""
     rank0 = torch.distributed.get_rank() == 0
+    done = checkpoint_iteration(args.load) if args.load else 0
+    _same_on_every_rank(done, "the iteration to resume from")
     if args.load:
-        done = checkpoint_iteration(args.load)
         if done >= args.train_iters:
             if rank0:
                 print(f"nothing to do: {resolve_checkpoint_dir(args.load)} is at iteration {done}, "
@@ -96,3 +97,13 @@ def train(args):
     finally:
         logger.finish()
     return metrics, model
+
+
+def _same_on_every_rank(value: int, what: str) -> None:
+    """``ValueError`` unless every rank read the same ``value`` (each rank decides from the files
+    of ``--save`` / ``--load`` whether and where to resume: they must see the same files)."""
+    bounds = torch.tensor([value, -value], dtype=torch.int64, device=device())
+    torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX)
+    if bounds[0].item() != -bounds[1].item():
+        raise ValueError(f"the ranks disagree on {what} (from {-bounds[1].item()} to {bounds[0].item()}): "
+                         "--save and --load must be on a filesystem that every node sees")
