@@ -290,14 +290,21 @@ def test_ranks_that_see_different_checkpoints_refuse_to_start(tmp_path):
     assert not (tmp_path / "b" / "ckpt").exists()
 
 
-def test_resuming_an_older_checkpoint_keeps_the_rows_it_redoes(tmp_path):
+def test_resuming_an_older_checkpoint_keeps_the_rows_it_redoes(tmp_path, capsys):
     """An explicit --load of an older checkpoint into a run folder with later rows: the rows it
-    redoes are written again, and the file as it was is kept as metrics.jsonl.1."""
+    redoes are written again, and the file as it was is kept as metrics.jsonl.1. A checkpoint
+    whose own step has no row (a run stopped between the save and the row) is said in a warning."""
     _train(_args(tmp_path, "--train-iters", "2", "--save-interval", "1"))
     _train(_args(tmp_path, "--train-iters", "2", "--load", str(tmp_path / "ckpt" / "iter_0000001")))
     assert [r["step"] for r in _rows(tmp_path / "wandb")] == [1, 2]
     kept = (tmp_path / "wandb" / "metrics.jsonl.1").read_text().splitlines()
     assert [json.loads(line)["step"] for line in kept] == [1, 2]
+    metrics = tmp_path / "wandb" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().splitlines(keepends=True)[0])  # step 2's row lost
+    capsys.readouterr()
+    _train(_args(tmp_path, "--train-iters", "3"))
+    assert f"warning: {metrics} has no row of step 2, the checkpoint's" in capsys.readouterr().err
+    assert [r["step"] for r in _rows(tmp_path / "wandb")] == [1, 3]
 
 
 # what the libraries print at start-up and at the first save unless the trainer filters it

@@ -107,6 +107,9 @@ class RunLogger:
         if self.resume_step == 0 and has_rows(self.path):
             print(f"{self.path}: the earlier run's metrics are kept as {self._set_aside()}", flush=True)
         elif self.earlier_rows is not None and self.path.is_file():
+            if self.resume_step not in {step for step, _ in self.earlier_rows}:
+                print(f"warning: {self.path} has no row of step {self.resume_step}, the checkpoint's (the run "
+                      "stopped between that save and its row)", file=sys.stderr, flush=True)
             text = "".join(line + "\n" for step, line in self.earlier_rows if step <= self.resume_step)
             if text != self.path.read_text(errors="replace"):  # rows after the checkpoint's step
                 partial = self.path.with_name(METRICS_NAME + ".tmp")
