@@ -100,8 +100,8 @@ def _checkpointing(p):
                    help="start fresh even when --save holds a checkpoint (refused there without --overwrite)")
     g.add_argument("--overwrite", action="store_true",
                    help="let a fresh run use a --save that holds checkpoints (each replaced only when this run "
-                        "saves that iteration) and a --wandb-save-dir with an earlier run's metrics.jsonl (kept as "
-                        "metrics.jsonl.N)")
+                        "saves that iteration; the earlier tracker is set aside after the first step) and a "
+                        "--wandb-save-dir with an earlier run's metrics.jsonl (kept as metrics.jsonl.N)")
     g.add_argument("--save-interval", type=int, default=None, help="save every N steps (default: only at the end)")
     g.add_argument("--no-save", action="store_true", help="write no checkpoint (nor resume from --save)")
     g.add_argument("--pretrained-checkpoint", default=None,
