@@ -13,7 +13,7 @@ import torch
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess, use_port
 from megatron_longstraw.testing.parity import (
-    assert_grads_match, pipeline_global_names, random_tokens, reduce_tp_grads, seeded_model, sum_tied_embedding_grads,
+    assert_grads_match, exact_gradients, pipeline_global_names, random_tokens, reduce_tp_grads, seeded_model, sum_tied_embedding_grads,
     tp_grad_errors)
 
 PROMPT, CHUNK, RESPONSES, MICRO = 21, 8, (9, 4, 6), 2
@@ -87,17 +87,9 @@ def _exact_model(hf, micro_batch_size, sequence_parallel=False):
     """``--prompt-gradient exact`` on this rank's stage, fp64: exact capture (chunks of 8, 8 and
     5 tokens) and replay through the schedule, then the reverse sweep stage to stage
     (``pipeline.prompt_backward_pp``); the model with its gradients."""
-    from megatron_longstraw.longstraw.capture import capture_prompt
-    from megatron_longstraw.longstraw.prompt_backward import prompt_backward
-    from megatron_longstraw.longstraw.replay import replay_responses
-
     model = seeded_model(hf, torch.float64, parallel_output=True, sequence_parallel=sequence_parallel)
     prompt, responses = _exact_inputs(hf)
-    with torch.no_grad():
-        state = capture_prompt(model, prompt, CHUNK, exact=True)
-    replay_responses(model, state, responses, _nll(sum(EXACT_RESPONSES)), micro_batch_size, exact=True)
-    prompt_backward(model, state, prompt)
-    state.free()
+    exact_gradients(model, prompt, responses, _nll(sum(EXACT_RESPONSES)), CHUNK, micro_batch_size)
     return model
 
 

@@ -7,12 +7,12 @@ import torch
 from megatron_longstraw.core.binding import StatefulModule
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_responses
-from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support, prompt_backward
+from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support
 from megatron_longstraw.longstraw.replay import replay_responses
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.hf_reference import build_hf_model
-from megatron_longstraw.testing.parity import max_rel_error, megatron_from_hf
+from megatron_longstraw.testing.parity import exact_gradients, max_rel_error, megatron_from_hf, weighted_response_loss
 
 PROMPT = 30
 
@@ -27,14 +27,6 @@ def _tokens(hf, n, seed):
     return torch.randint(0, hf["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _loss(total_tokens):
-    """A sum of per-sample terms with a fixed normalizer (as every policy loss is)."""
-    def loss_fn(logprobs_RB, mask_RB, indices):
-        weights_B = torch.tensor([1.0 + 0.5 * i for i in indices], dtype=logprobs_RB.dtype)
-        return -(logprobs_RB * mask_RB * weights_B).sum() / total_tokens
-    return loss_fn
-
-
 def _grads(model):
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -42,11 +34,7 @@ def _grads(model):
 
 
 def _exact_grads(model, prompt, responses, loss_fn, chunk, micro_batch):
-    with torch.no_grad():
-        state = capture_prompt(model, prompt, chunk, exact=True)
-    replay_responses(model, state, responses, loss_fn, micro_batch, exact=True)
-    prompt_backward(model, state, prompt)
-    state.free()
+    exact_gradients(model, prompt, responses, loss_fn, chunk, micro_batch)
     return _grads(model)
 
 
@@ -66,7 +54,7 @@ def test_exact_gradients_equal_full_backprop(single_process, preset, chunk, leng
     hf, model = _model(preset)
     prompt = _tokens(hf, PROMPT, 3)
     responses = [_tokens(hf, n, 10 + n)[0] for n in lengths]
-    loss_fn = _loss(sum(lengths))
+    loss_fn = weighted_response_loss(sum(lengths))
     full_graph_responses(model, prompt, responses, loss_fn, micro_batch_size=1, exact=True)
     reference = _grads(model)
     exact = _exact_grads(model, prompt, responses, loss_fn, chunk, micro_batch)
@@ -90,7 +78,7 @@ def test_exact_gradients_with_activation_recompute(single_process, preset):
     model.train()
     prompt = _tokens(hf, PROMPT, 3)
     responses = [_tokens(hf, n, 10 + n)[0] for n in (13, 1)]
-    loss_fn = _loss(14)
+    loss_fn = weighted_response_loss(14)
     full_graph_responses(model, prompt, responses, loss_fn, micro_batch_size=1, exact=True)
     reference = _grads(model)
     exact = _exact_grads(model, prompt, responses, loss_fn, 7, 1)
@@ -110,7 +98,7 @@ def test_exact_differs_from_detached(single_process):
     hf, model = _model("qwen3.5-debug")
     prompt = _tokens(hf, PROMPT, 3)
     responses = [_tokens(hf, n, 10 + n)[0] for n in (13, 7)]
-    loss_fn = _loss(20)
+    loss_fn = weighted_response_loss(20)
     full_graph_responses(model, prompt, responses, loss_fn, micro_batch_size=1, exact=True)
     reference = _grads(model)
     with torch.no_grad():

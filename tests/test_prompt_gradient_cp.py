@@ -12,20 +12,13 @@ import torch
 from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
-from megatron_longstraw.testing.parity import max_rel_error, random_tokens, seeded_model
+from megatron_longstraw.testing.parity import (exact_gradients, max_rel_error, random_tokens, seeded_model,
+                                              weighted_response_loss)
 
 PRESETS = ("qwen3.5-debug", "glm-5-debug")  # glm-5-debug's index_topk 8 < the prompt: sparse selections
 PROMPT, CHUNK = 21, 8  # chunks of 8 | 8 | 5 tokens: shards 4|4, 4|4, 3|2
 RESPONSES = (6, 1)     # G = 2 with a 1-token response
 SMALL_BLOCKS = KernelOptions(prefix_block=3, dsa_key_block=5, dsa_score_elements=200, dsa_gather_elements=2000)
-
-
-def _loss(total_tokens):
-    """A sum of per-sample terms with a fixed normalizer (as every policy loss is)."""
-    def loss_fn(logprobs_RB, mask_RB, indices):
-        weights_B = torch.tensor([1.0 + 0.5 * i for i in indices], dtype=logprobs_RB.dtype)
-        return -(logprobs_RB * mask_RB * weights_B).sum() / total_tokens
-    return loss_fn
 
 
 def _inputs(hf):
@@ -46,16 +39,14 @@ def _full_backprop(hfs):
     for preset, hf in hfs.items():
         model = seeded_model(hf, torch.float64)
         prompt, responses = _inputs(hf)
-        full_graph_responses(model, prompt, responses, _loss(sum(RESPONSES)), micro_batch_size=1, exact=True)
+        full_graph_responses(model, prompt, responses, weighted_response_loss(sum(RESPONSES)), micro_batch_size=1,
+                             exact=True)
         out[preset] = _grads(model)
     return out
 
 
 def _cp_worker(hfs):
     from megatron_longstraw.distributed import ParallelSizes, init_distributed
-    from megatron_longstraw.longstraw.capture import capture_prompt
-    from megatron_longstraw.longstraw.prompt_backward import prompt_backward
-    from megatron_longstraw.longstraw.replay import replay_responses
 
     torch.set_num_threads(1)  # two ranks on a small CPU
     init_distributed(ParallelSizes(context=2), seed=1234)
@@ -63,11 +54,7 @@ def _cp_worker(hfs):
     for preset, hf in hfs.items():
         model = seeded_model(hf, torch.float64, kernel_options=SMALL_BLOCKS)
         prompt, responses = _inputs(hf)
-        with torch.no_grad():
-            state = capture_prompt(model, prompt, CHUNK, exact=True)
-        replay_responses(model, state, responses, _loss(sum(RESPONSES)), micro_batch_size=2, exact=True)
-        prompt_backward(model, state, prompt)
-        state.free()
+        exact_gradients(model, prompt, responses, weighted_response_loss(sum(RESPONSES)), CHUNK, micro_batch_size=2)
         out[preset] = _grads(model)
     return out
 

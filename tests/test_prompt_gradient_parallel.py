@@ -22,7 +22,8 @@ import torch
 
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess, use_port
-from megatron_longstraw.testing.parity import max_rel_error, random_tokens, reduce_tp_grads, seeded_model
+from megatron_longstraw.testing.parity import (exact_gradients, max_rel_error, random_tokens, reduce_tp_grads,
+                                              seeded_model, weighted_response_loss)
 
 CHUNK = 7
 PRESETS = ("qwen3.5-debug", "glm-5-debug")
@@ -34,36 +35,21 @@ EP_INPUTS = ((23, (6, 1), 3), (12, (1, 9), 4))
 EP_IDLE = ((), (False, False, True, True))
 
 
-def _loss(total_tokens):
-    """A sum of per-sample terms with a fixed normalizer (as every policy loss is)."""
-    def loss_fn(logprobs_RB, mask_RB, indices):
-        weights_B = torch.tensor([1.0 + 0.5 * i for i in indices], dtype=logprobs_RB.dtype)
-        return -(logprobs_RB * mask_RB * weights_B).sum() / total_tokens
-    return loss_fn
-
-
 def _gradients(preset, mode, inputs=EP_INPUTS[0], sequence_parallel=False):
     """The fp64 model (this rank's shard) and its gradients of ``mode`` on ``inputs``, before any
     TP reduction."""
-    from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.full_graph import full_graph_responses
-    from megatron_longstraw.longstraw.prompt_backward import prompt_backward
-    from megatron_longstraw.longstraw.replay import replay_responses
 
     hf = resolve_hf_config(preset)
     model = seeded_model(hf, torch.float64, parallel_output=True, sequence_parallel=sequence_parallel)
     length, lengths, seed = inputs
     prompt = random_tokens(hf, length, seed)
     responses = [random_tokens(hf, n, 10 * seed + n)[0] for n in lengths]
-    loss_fn = _loss(sum(lengths))
+    loss_fn = weighted_response_loss(sum(lengths))
     if mode == "full_graph":
         full_graph_responses(model, prompt, responses, loss_fn, micro_batch_size=1, exact=True)
     else:
-        with torch.no_grad():
-            state = capture_prompt(model, prompt, CHUNK, exact=True)
-        replay_responses(model, state, responses, loss_fn, micro_batch_size=1, exact=True)
-        prompt_backward(model, state, prompt)
-        state.free()
+        exact_gradients(model, prompt, responses, loss_fn, CHUNK)
     return model
 
 

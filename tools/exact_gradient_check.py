@@ -25,11 +25,12 @@ import torch
 from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_responses
-from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support, prompt_backward
+from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support
 from megatron_longstraw.longstraw.replay import replay_responses
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from megatron_longstraw.testing.parity import exact_gradients
 from bench_output import bench_stem, write_bench_files  # tools/, beside this script
 
 
@@ -110,11 +111,7 @@ def main(argv=None):
         full = _grads(model)
         times["full_graph_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        with torch.no_grad():
-            state = capture_prompt(model, prompt, args.prompt_chunk_size, exact=True)
-        replay_responses(model, state, responses, loss_fn, 1, exact=True)
-        prompt_backward(model, state, prompt)
-        state.free()
+        exact_gradients(model, prompt, responses, loss_fn, args.prompt_chunk_size)
         exact = _grads(model)
         times["exact_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()

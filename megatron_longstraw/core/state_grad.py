@@ -95,6 +95,12 @@ class SweepTargets:
         self.outputs.append(output)
         self.grads.append(grad.to(output.dtype))
 
+    def inject_reaching(self, output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """``inject``, with a zero gradient where ``grad`` is ``None``: the chunk's backward then
+        still reaches ``output`` (every layer below it runs its backward, and with it its
+        collectives, on every rank that must take part)."""
+        self.inject(output, torch.zeros_like(output) if grad is None else grad)
+
     def take(self, start: int = 0) -> tuple[list, list]:
         """The outputs injected after the first ``start`` ones and their gradients, removed from
         the targets (a pipeline stage backpropagates its own with its output's gradient)."""

@@ -275,9 +275,8 @@ def prompt_backward_pp(model, state: PromptState, prompt_ids_BS: torch.Tensor,
             hidden_SBH = embed(chunk, prompt_ids_BS[:, start:end], start) if embeds else chunk.decoder.input_tensor
             hidden_SBH = decode(chunk, hidden_SBH, start)
             if final_norm is not None and ends_model:  # read by every response
-                last_row_1BH = final_norm.last_row_1BH(end - start)
-                targets.inject(last_row_1BH, state.last_hidden_grad_1BH if injects_last
-                               else torch.zeros_like(last_row_1BH))
+                targets.inject_reaching(final_norm.last_row_1BH(end - start),
+                                        state.last_hidden_grad_1BH if injects_last else None)
             injected, grads = targets.take(mark)
             if not ends_model:
                 return _WithInjected.apply(hidden_SBH, tuple(grads), *injected), None

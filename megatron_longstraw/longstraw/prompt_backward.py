@@ -124,10 +124,9 @@ def _sweep(model, state: PromptState, prompt_ids_BS: torch.Tensor,
                                                    valid_length=end - start, sweep=targets,
                                                    shard_sizes=shard_sizes, local_offset=local_offset):
                 decode(model, embed(model, prompt_ids_BS[:, start:end], start), start)
-                if final_norm is not None:  # the final norm's input at the last position (every
-                    last_row_1BH = final_norm.last_row_1BH(end - start)  # response reads it)
-                    grad_1BH = state.last_hidden_grad_1BH if last else torch.zeros_like(last_row_1BH)
-                    targets.inject(last_row_1BH, grad_1BH)
+                if final_norm is not None:  # the final norm's input at the last position (every response reads it)
+                    targets.inject_reaching(final_norm.last_row_1BH(end - start),
+                                            state.last_hidden_grad_1BH if last else None)
                 targets.backward()
         finally:
             if final_norm is not None:

@@ -202,3 +202,29 @@ def replay_gradients(model, prompt_1S: torch.Tensor, responses, chunk_size: int)
         state = capture_prompt(model, prompt_1S, chunk_size)
     loss = sum(replay_responses(model, state, responses, lambda lp, mask, idx: -(lp * mask).sum() / tokens, 1))
     return loss, {n: p.grad.detach().flatten().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def exact_gradients(model, prompt_1S: torch.Tensor, responses, loss_fn, chunk_size: int,
+                    micro_batch_size: int = 1) -> None:
+    """``--prompt-gradient exact`` on one prompt group: a capture that keeps the chunk starts,
+    replay with the state's gradients, then the reverse sweep over the prompt; the gradients
+    accumulate in ``model`` (on every rank of its layout) and the state is freed."""
+    from megatron_longstraw.longstraw.capture import capture_prompt
+    from megatron_longstraw.longstraw.prompt_backward import prompt_backward
+    from megatron_longstraw.longstraw.replay import replay_responses
+
+    with torch.no_grad():
+        state = capture_prompt(model, prompt_1S, chunk_size, exact=True)
+    replay_responses(model, state, responses, loss_fn, micro_batch_size, exact=True)
+    prompt_backward(model, state, prompt_1S)
+    state.free()
+
+
+def weighted_response_loss(total_tokens: int):
+    """A loss of the shape of every policy loss (a sum of per-sample terms over a fixed
+    normalizer), with a weight per sample so that the samples' gradients are told apart."""
+    def loss_fn(logprobs_RB, mask_RB, indices):
+        weights_B = torch.tensor([1.0 + 0.5 * i for i in indices], dtype=logprobs_RB.dtype)
+        return -(logprobs_RB * mask_RB * weights_B).sum() / total_tokens
+    return loss_fn
+
