@@ -37,6 +37,25 @@ def test_saved_tensor_meter_counts_saved_storage_once_and_skips_excluded():
     assert memory_floor_bytes(10, 2, 4, 100, 50) == 10 * 8 + 150
 
 
+def test_saved_tensor_meter_leaves_no_reference_cycle():
+    """An op that saves its own output (``exp``) under the meter, in a graph that no backward
+    runs through (as the parts of a recomputed chunk beyond what its injected gradients reach):
+    dropping the output frees it without the garbage collector. A pack hook that returns the
+    tensor itself ties the output to its own graph node, a cycle through autograd that even
+    the collector cannot break: the graph and all it saved would outlive the step."""
+    import gc
+    import weakref
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensorMeter() as meter:
+        y = x.exp()
+    assert meter.nbytes == x.numel() * 4
+    alive = weakref.ref(y)
+    del y
+    gc.collect()
+    assert alive() is None
+
+
 def test_bench_tool_end_to_end(tmp_path):
     cmd = [sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "qwen3.5-debug",
            "--prompt-lengths", "96", "--group-sizes", "1,3", "--response-length", "16",

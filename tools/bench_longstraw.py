@@ -222,6 +222,8 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
                   transformer_impl=args.transformer_impl,
                   fp8=f"{args.fp8_format}/{args.fp8_recipe}" if args.fp8_format else None)
     _sync()
+    if torch.cuda.is_available():  # what the earlier points left behind shows here
+        result["allocated_at_start_gib"] = torch.cuda.memory_allocated() / GiB
     _reset_peak()
     start = time.perf_counter()
     try:

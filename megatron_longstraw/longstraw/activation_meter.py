@@ -22,7 +22,7 @@ class SavedTensorMeter:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in self._excluded:
             self._bytes[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        return tensor.detach()  # not the tensor itself: a saved output would hold its own graph node
 
     @property
     def nbytes(self) -> int:
