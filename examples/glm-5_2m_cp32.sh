@@ -9,6 +9,11 @@
 #       bash examples/glm-5_2m_cp32.sh                               # on each node
 #   sbatch examples/slurm/glm-5_2m.sbatch                            # SLURM
 #
+# Memory: full-parameter training of GLM-5's 744B parameters (bf16 weights, fp32 gradients and
+# Adam states) is predicted to need about 548 GiB per GPU on this layout, so the trainer refuses
+# it at start-up on 32 H200s; at this prompt the planner fits it on 256 H200s (128 do not)
+# (CP 128, PP 2, EP 128): python tools/plan_budget.py --model glm-5 --num-gpus 256 \
+#     --prompt-length 2088960 --use-distributed-optimizer --rollout-source jsonl (docs/planning.md).
 # What it reads and writes: examples/args/recipe.sh. Extra arguments go to train_grpo.py. A
 # relaunch resumes from CHECKPOINT_PATH.
 set -euo pipefail

@@ -31,6 +31,10 @@ from megatron_longstraw.longstraw.replay import replay_responses
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from megatron_longstraw.planning.hardware import GPUS
+from megatron_longstraw.planning.layouts import Layout
+from megatron_longstraw.planning.planner import model_profile, plan_layout
+from megatron_longstraw.planning.run import RunShape
 from megatron_longstraw.training.arguments import add_kernel_flags, kernel_options_from_args
 from bench_output import bench_stem, write_bench_files  # tools/, beside this script
 
@@ -208,6 +212,23 @@ def _loss_fn(total_tokens):
     return lambda logprobs_RB, mask_RB, indices: -(logprobs_RB * mask_RB).sum() / total_tokens
 
 
+def _planned(hf, prompt_length, group, args) -> dict | None:
+    """The budget planner's prediction for a LongStraw point (``planning/``, the formulas of
+    ``tools/plan_budget.py``): peak and floor GiB, capture, replay per response and sweep s."""
+    run = RunShape(prompt_length=prompt_length, response_length=args.response_length, num_generations=group,
+                   prompt_gradient=args.prompt_gradient, chunk_size=args.prompt_chunk_size,
+                   micro_batch_size=args.replay_micro_batch_size, precision="bench", distributed_optimizer=False,
+                   rollout="file")
+    layout = Layout(cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size,
+                    vpp=args.num_virtual_stages_per_pipeline_rank)
+    profile = model_profile(hf)
+    if profile is None:  # a family without plan_profile: nothing to predict
+        return None
+    plan = plan_layout(profile, layout, run, GPUS["h200"])
+    return dict(peak_gib=plan.memory.peak, floor_gib=plan.memory.floor, capture_s=plan.time.capture,
+                replay_s=plan.time.replay / group, prompt_backward_s=plan.time.prompt_backward)
+
+
 def run_point(model, optimizer, hf, mode, prompt_length, group, args):
     """One (mode, prompt length, G) point; returns a result dict (``oom`` on out of memory)."""
     gen = torch.Generator(device=device()).manual_seed(prompt_length + group)
@@ -220,7 +241,10 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
                   context_parallel=args.context_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size,
                   virtual_stages=args.num_virtual_stages_per_pipeline_rank,
                   transformer_impl=args.transformer_impl,
-                  fp8=f"{args.fp8_format}/{args.fp8_recipe}" if args.fp8_format else None)
+                  fp8=f"{args.fp8_format}/{args.fp8_recipe}" if args.fp8_format else None,
+                  warmup_prompt_length=args.warmup_prompt_length)
+    if mode == "longstraw" and args.transformer_impl == "local":
+        result["planned"] = _planned(hf, prompt_length, group, args)
     _sync()
     if torch.cuda.is_available():  # what the earlier points left behind shows here
         result["allocated_at_start_gib"] = torch.cuda.memory_allocated() / GiB
@@ -362,19 +386,20 @@ def write_outputs(results, args, command, quiet=False):
     stem = bench_stem("bench", args.model, args.tag)
     lines = [f"# LongStraw benchmark: {args.model}", "", f"Command: `{command}`", "",
              f"Prompt gradient: {args.prompt_gradient}.", "",
-             "| mode | CP | PP | prompt | G | capture s | capture MFU | replay s (mean) | prompt bwd s | per-sample s | step s | state GiB | state grad GiB | act GiB | peak GiB | floor GiB | peak/floor |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| mode | CP | PP | prompt | G | capture s | capture MFU | replay s (mean) | prompt bwd s | per-sample s | step s | state GiB | state grad GiB | act GiB | peak GiB | floor GiB | peak/floor | planned peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if r.get("oom"):
             lines.append(f"| {r['mode']} | {r.get('context_parallel', 1)} | {r.get('pipeline_parallel', 1)} "
                          f"| {r['prompt_length']} | {r['group']} | OOM "
-                         f"| | | | | | | | | >{r['peak_gib']:.1f} | | |")
+                         f"| | | | | | | | | >{r['peak_gib']:.1f} | | | {_cell((r.get('planned') or {}).get('peak_gib'), '.2f')} |")
             continue
         cells = [_cell(r.get("capture_s"), ".1f"), _cell(r.get("capture_mfu"), ".1%"),
                  _cell(_mean(r.get("replay_s")), ".2f"), _cell(r.get("prompt_backward_s"), ".2f"),
                  _cell(_mean(r.get("per_sample_s")), ".2f"), _cell(r["step_s"], ".1f"), _cell(r.get("state_gib"), ".2f"),
                  _cell(r.get("state_grad_gib"), ".2f"), _cell(r.get("activation_gib"), ".2f"),
-                 _cell(r["peak_gib"], ".2f"), _cell(r.get("floor_gib"), ".2f"), _cell(r.get("peak_over_floor"), ".3f")]
+                 _cell(r["peak_gib"], ".2f"), _cell(r.get("floor_gib"), ".2f"), _cell(r.get("peak_over_floor"), ".3f"),
+                 _cell((r.get("planned") or {}).get("peak_gib"), ".2f")]
         lines.append(f"| {r['mode']} | {r.get('context_parallel', 1)} | {r.get('pipeline_parallel', 1)} "
                      f"| {r['prompt_length']} | {r['group']} | " + " | ".join(cells) + " |")
     fits = largest_prompt_fits(results)

@@ -38,6 +38,11 @@ FAMILY_API = (
                             #   config class) of the transformers reference model, or None
 )
 
+OPTIONAL_API = (
+    "plan_profile",         # hf -> models/profile.py ModelProfile (the budget planner's view); a family
+                            #   without it is not planned (tools/plan_budget.py refuses, the trainer skips)
+)
+
 _REGISTERED: dict[str, ModuleType] = {}  # model_type -> out-of-tree family (register_family)
 
 

@@ -195,6 +195,9 @@ def _longstraw(p):
     g.add_argument("--replay-mode", default="longstraw", choices=["longstraw", "full"],
                    help="longstraw: replay against the captured state; full: the full-graph baseline "
                         "(prompt + response per micro-batch, for comparison)")
+    g.add_argument("--no-plan-check", action="store_true",
+                   help="start even when the budget planner predicts a per-GPU peak over the GPU's memory "
+                        "(tools/plan_budget.py; the plan's line is printed either way)")
     g.add_argument("--prompt-gradient", default="detached", choices=["detached", "exact"],
                    help="detached: the prompt state is a constant (LongStraw); exact: replay accumulates "
                         "the state's gradients over the group, then one chunked backward through the "

@@ -15,8 +15,9 @@ from megatron_longstraw.training.checkpoint import (
 from megatron_longstraw.training.grpo_step import PhaseClock, train_group
 from megatron_longstraw.training.metrics import reduce_step_metrics, throughput_metrics
 from megatron_longstraw.training.optimizer import build_optimizer, build_scheduler, finish_gradients, wrap_ddp
+from megatron_longstraw.training.plan_check import check_plan
 from megatron_longstraw.training.run_logger import RunLogger
-from megatron_longstraw.training.setup import build_policy, build_prompt_source, build_reward_fn
+from megatron_longstraw.training.setup import build_policy, build_prompt_source, build_reward_fn, policy_hf_config
 
 
 def train(args):
@@ -31,6 +32,7 @@ def train(args):
                 print(f"nothing to do: {resolve_checkpoint_dir(args.load)} is at iteration {done}, "
                       f"--train-iters is {args.train_iters}", flush=True)
             return {}, None
+    check_plan(args, policy_hf_config(args), rank0)  # before any weight is allocated
     hf, model, reference, tokenizer = build_policy(args)
     ddp = wrap_ddp(model, args)
     optimizer = build_optimizer(ddp, args)

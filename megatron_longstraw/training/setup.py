@@ -20,12 +20,9 @@ from megatron_longstraw.rewards.scoring import score_group
 from megatron_longstraw.training.grpo_step import PromptGroup
 
 
-def build_policy(args):
-    """``(hf_config, model, reference or None, tokenizer)``. ``--model-family`` registers an
-    out-of-tree family first; the family refuses layouts it lacks. The model config is
-    ``args.model_source``'s (``validate_args``): ``--pretrained-checkpoint`` (a converted Megatron
-    checkpoint) gives the model and the initial weights; the reference is a frozen copy of them,
-    kept only when ``--kl-coef`` > 0."""
+def policy_hf_config(args) -> dict:
+    """The policy's HF config (``args.model_source``'s, ``validate_args``), with
+    ``--max-position-embeddings`` applied; ``--model-family`` registers an out-of-tree family first."""
     if args.model_family:
         register_family(args.model_family)
     from_checkpoint = args.model_source == args.pretrained_checkpoint
@@ -33,6 +30,16 @@ def build_policy(args):
                               "--hf-config" if args.hf_config else "--model")
     if args.max_position_embeddings:
         hf["max_position_embeddings"] = args.max_position_embeddings
+    return hf
+
+
+def build_policy(args):
+    """``(hf_config, model, reference or None, tokenizer)``. ``--model-family`` registers an
+    out-of-tree family first; the family refuses layouts it lacks. The model config is
+    ``args.model_source``'s (``validate_args``): ``--pretrained-checkpoint`` (a converted Megatron
+    checkpoint) gives the model and the initial weights; the reference is a frozen copy of them,
+    kept only when ``--kl-coef`` > 0."""
+    hf = policy_hf_config(args)
     family = family_for(hf["model_type"])
     family.check_layout(family.normalize_hf_config(hf), args.parallel, args.rollout_source)
     options = ModelOptions(

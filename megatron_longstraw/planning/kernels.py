@@ -1,0 +1,51 @@
+"""Kernel rates on one H200 (bf16), the planner's time constants, and where each was measured.
+
+Scaled to another GPU by its dense bf16 peak (``hardware.py``). Two sources:
+- kernel measurements on the H200 (the attention rates: torch cuDNN SDPA, 8 query / 2 KV heads
+  of 256, 32K queries over 262K-1M keys: forward 619-666 TFLOP/s, backward 361-362 TFLOP/s with
+  the backward counted as 2.5 x the forward's FLOPs);
+- the benchmark's own runs (``python tools/bench_longstraw.py ...``, each command in
+  ``docs/bench/``), from which the rest are read off: ``docs/planning.md`` gives each constant's
+  runs and how well every run is then predicted.
+"""
+
+ATTENTION_FWD_TFLOPS = 650.0
+"""Dense causal/prefix attention forward (cuDNN SDPA), TFLOP/s."""
+ATTENTION_BWD_TFLOPS = 362.0
+"""Its backward, TFLOP/s, FLOPs counted as ``ATTENTION_BWD_FLOPS_RATIO`` x the forward's."""
+SWEEP_ATTENTION_BWD_TFLOPS = 506.0
+"""The exact mode's sweep: attention backward, effective TFLOP/s read off the exact runs (a chunk of
+16K-32K queries over the earlier keys, in ``--prefix-block`` blocks). It is above the isolated
+kernel's 362: the cause is not known (docs/planning.md)."""
+ATTENTION_BWD_FLOPS_RATIO = 2.5
+"""Backward FLOPs over forward FLOPs of attention (scores recomputed, dQ, dK, dV)."""
+LINEAR_TFLOPS = 373.0
+"""GEMMs of the decoder and the output layer, TFLOP/s (placeholder until fitted)."""
+DELTA_RULE_FWD_S = 10.0e-3 / (262144 * 16)
+"""Gated DeltaNet chunked delta rule forward per token and value head (fla 0.6.0: 10.0 ms for
+262,144 tokens x 16 heads of 128 x 128)."""
+DELTA_RULE_BWD_S = 4.66e-8
+"""Its backward per token and head, read off the replays (8K-token responses: fla's backward with
+tilelang; 19x its forward at this size, conv and gating included)."""
+TOKEN_LAYER_S = 4.19e-8
+"""Elementwise work per token and layer (norms, activations, residuals, routing)."""
+SPARSE_MLA_TFLOPS = 55.3
+"""DSA sparse MLA forward, TFLOP/s."""
+SPARSE_MLA_BWD_TFLOPS = 1.82
+"""Its backward, TFLOP/s."""
+INDEXER_TFLOPS = 111.2
+"""DSA indexer scores and top-k selection, TFLOP/s of its score FLOPs."""
+CHUNK_OVERHEAD_S = 0.0104
+"""Fixed cost per capture chunk (launches, state appends)."""
+PARALLEL_EFFICIENCY = 0.9
+"""Fraction of the ideal speed-up TP x CP keeps (collectives): CP=2 capture and replay of
+qwen3.5-0.8b at 512K and 1M."""
+PIPELINE_REPLAY_EFFICIENCY = 0.84
+"""Fraction of the ideal speed-up of PP in replay beyond the schedule's warm-up and drain (p2p,
+imbalance): the PP=2 run at 512K. Capture pipelines its chunks' slices fully (measured 2.0x)."""
+DECODE_BANDWIDTH_FRACTION = 0.6
+"""Fraction of the HBM bandwidth a decode step's reads reach (not measured here yet)."""
+DECODE_STEP_S = 2e-3
+"""Fixed cost per decode step (launches over every layer; not measured here yet)."""
+OPTIMIZER_BANDWIDTH_FRACTION = 0.5
+"""Fraction of the HBM bandwidth the optimizer step reaches."""

@@ -1,0 +1,88 @@
+"""The parallel layouts of a GPU count that a model admits."""
+
+from dataclasses import dataclass
+
+from megatron_longstraw.models.profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to spread a run over ``world`` GPUs (Megatron's sizes; EP over DP x CP ranks)."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        """GPUs the layout uses."""
+        return self.tp * self.cp * self.pp * self.dp
+
+    def label(self) -> str:
+        """``TP2 CP4 PP1 DP1`` (virtual stages and EP shown when used)."""
+        parts = [f"TP{self.tp}", f"CP{self.cp}", f"PP{self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"VPP{self.vpp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        parts.append(f"DP{self.dp}")
+        return " ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problem(profile: ModelProfile, layout: Layout) -> str | None:
+    """Why ``layout`` cannot serve the model (one line), or ``None``."""
+    if any(size < 1 for size in (layout.tp, layout.cp, layout.pp, layout.vpp, layout.ep, layout.dp)):
+        return "every parallel size must be at least 1"
+    bad_tp = [d for d in profile.tp_divisors if d % layout.tp]
+    if bad_tp:
+        return f"--tensor-model-parallel-size {layout.tp} does not divide the model's head/FFN count {bad_tp[0]}"
+    layers = len(profile.layers)
+    if layers % (layout.pp * layout.vpp):
+        return (f"--pipeline-model-parallel-size {layout.pp} x {layout.vpp} virtual stages does not divide "
+                f"the model's {layers} layers")
+    if layout.vpp > 1 and layout.pp == 1:
+        return "virtual pipeline stages need --pipeline-model-parallel-size > 1"
+    if layout.ep > 1:
+        if not profile.num_experts:
+            return f"--expert-model-parallel-size {layout.ep}: the model has no routed experts"
+        if profile.num_experts % layout.ep:
+            return (f"--expert-model-parallel-size {layout.ep} does not divide the model's "
+                    f"{profile.num_experts} experts")
+        if (layout.dp * layout.cp) % layout.ep:
+            return (f"--expert-model-parallel-size {layout.ep} must divide data x context parallel "
+                    f"size {layout.dp * layout.cp}")
+    return None
+
+
+def candidate_layouts(profile: ModelProfile, num_gpus: int, *, tp=None, cp=None, pp=None, vpp=None, ep=None,
+                      dp=None, max_vpp: int = 4) -> list[Layout]:
+    """Every valid layout of ``num_gpus`` GPUs, the given sizes fixed."""
+    if num_gpus < 1:
+        raise ValueError(f"--num-gpus {num_gpus}: must be at least 1")
+    out = []
+    for t in [tp] if tp else _divisors(num_gpus):
+        if num_gpus % t:
+            continue
+        for c in [cp] if cp else _divisors(num_gpus // t):
+            if (num_gpus // t) % c:
+                continue
+            for p in [pp] if pp else _divisors(num_gpus // (t * c)):
+                if (num_gpus // (t * c)) % p:
+                    continue
+                d = num_gpus // (t * c * p)
+                if dp and d != dp:
+                    continue
+                for v in [vpp] if vpp else range(1, (max_vpp if p > 1 else 1) + 1):
+                    experts = [ep] if ep else [1, *(x for x in _divisors(d * c) if x > 1 and profile.num_experts)]
+                    for e in experts:
+                        layout = Layout(t, c, p, v, e, d)
+                        if layout_problem(profile, layout) is None:
+                            out.append(layout)
+    return out

@@ -1,0 +1,161 @@
+"""The benchmark's measured runs (``docs/bench/bench_*.json``) beside the planner's predictions.
+
+Each JSON holds the command that made it; a point's layout and run shape are read back from that
+command and its result, planned for one H200 with the benchmark's precision, and compared.
+"""
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from megatron_longstraw.planning.hardware import GPUS
+from megatron_longstraw.planning.layouts import Layout
+from megatron_longstraw.planning.planner import LayoutPlan, model_profile, plan_layout
+from megatron_longstraw.planning.run import RunShape
+
+_DEFAULTS = {"--prompt-chunk-size": "32768", "--replay-micro-batch-size": "1", "--prompt-gradient": "detached",
+             "--context-parallel-size": "1", "--pipeline-model-parallel-size": "1",
+             "--num-virtual-stages-per-pipeline-rank": "1", "--transformer-impl": "local",
+             "--warmup-prompt-length": None, "--num-layers": None, "--model": "qwen3.5-0.8b"}
+
+DEFAULT_WARMUP = 65536  # tools/bench_longstraw.py --warmup-prompt-length
+COLD_RUNS = {  # runs made before the benchmark had a warm-up point (their first point compiled)
+    "bench_qwen3.5-0.8b.json": "its first point (capture 93.3 s, first replay 174.8 s) compiled the kernels: "
+                               "longstraw_benchmark.md marks it '(compile)'",
+}
+
+
+@dataclass
+class MeasuredPoint:
+    """One measured benchmark point and its plan."""
+
+    file: str
+    index: int
+    command: str
+    flags: dict
+    result: dict
+    plan: LayoutPlan
+
+    @property
+    def cold(self) -> bool:
+        """Its times include kernel compilation: the first point of a run whose warm-up prompt
+        was shorter than one capture chunk (the chunk's kernels compiled in the first measured
+        point), or of a run made before the benchmark warmed up at all (``COLD_RUNS``)."""
+        if self.index != 0:
+            return False
+        if self.file in COLD_RUNS:
+            return True
+        warmup = self.result.get("warmup_prompt_length", self.flags["--warmup-prompt-length"] or DEFAULT_WARMUP)
+        return int(warmup) < int(self.flags["--prompt-chunk-size"])
+
+    @property
+    def oom(self) -> bool:
+        """The point ran out of memory (its plan must not fit)."""
+        return bool(self.result.get("oom"))
+
+    def measured(self) -> dict:
+        """Measured peak (GiB) and times (s; replay per response); ``None`` where not measured
+        (an out-of-memory point has none)."""
+        r = self.result
+        if self.oom:
+            return dict(peak=None, capture=None, replay=None, prompt_backward=None)
+        replay = r.get("replay_s") or []
+        return dict(peak=r.get("peak_gib"), capture=r.get("capture_s"),
+                    replay=sum(replay) / len(replay) if replay else None, prompt_backward=r.get("prompt_backward_s"))
+
+    def predicted(self) -> dict:
+        """Planned peak (GiB) and times (s; replay per response)."""
+        t, m = self.plan.time, self.plan.memory
+        return dict(peak=m.peak, capture=t.capture, replay=t.replay / self.result["group"],
+                    prompt_backward=t.prompt_backward if self.result.get("prompt_backward_s") is not None else None)
+
+
+def _flags(command: str) -> dict:
+    words = shlex.split(command)
+    flags = dict(_DEFAULTS)
+    for i, word in enumerate(words):
+        if word in flags and i + 1 < len(words):
+            flags[word] = words[i + 1]
+    return flags
+
+
+ARTIFACT_OOMS = {  # out-of-memory points whose cause was the benchmark itself, not the run
+    ("bench_qwen3.5-0.8b_exact_1m.json", 1): "measured after a G=2 point whose metered graphs the benchmark's "
+                                            "saved-tensor meter kept alive (fixed since; exact_prompt_gradient.md)",
+}
+
+
+def plannable(result: dict, flags: dict, name: str = "", index: int = 0) -> str | None:
+    """Why a measured point is not a planned run (``None``: it is). An out-of-memory point is
+    planned: its predicted peak must exceed the GPU (``MeasuredPoint.oom``)."""
+    if result.get("mode") != "longstraw":
+        return "the full-graph baseline (a reference, not a LongStraw layout)"
+    if (name, index) in ARTIFACT_OOMS:
+        return "ran out of memory, " + ARTIFACT_OOMS[(name, index)]
+    if flags["--transformer-impl"] != "local":
+        return "Transformer Engine layers (the planner models Megatron's local spec)"
+    return None
+
+
+def measured_points(folder: str | Path) -> tuple[list[MeasuredPoint], list[tuple[str, int, str]]]:
+    """Every plannable point of ``folder``'s ``bench_*.json``, and the others with the reason."""
+    if not Path(folder).is_dir():
+        raise ValueError(f"--against {folder}: no such folder")
+    points, skipped = [], []
+    for path in sorted(Path(folder).glob("bench_*.json")):
+        try:
+            data = json.loads(path.read_text())
+            flags = _flags(data["command"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}: not a benchmark result (JSON with 'command' and 'results')") from None
+        hf = resolve_hf_config(flags["--model"])
+        if flags["--num-layers"]:
+            hf = with_num_layers(hf, int(flags["--num-layers"]))
+        profile = model_profile(hf)
+        for index, result in enumerate(data["results"]):
+            reason = plannable(result, flags, path.name, index)
+            if reason:
+                skipped.append((path.name, index, reason))
+                continue
+            layout = Layout(cp=int(flags["--context-parallel-size"]), pp=int(flags["--pipeline-model-parallel-size"]),
+                            vpp=int(flags["--num-virtual-stages-per-pipeline-rank"]))
+            run = RunShape(prompt_length=result["prompt_length"], response_length=result["response_length"],
+                           num_generations=result["group"], prompt_gradient=result.get("prompt_gradient", "detached"),
+                           chunk_size=int(flags["--prompt-chunk-size"]),
+                           micro_batch_size=int(flags["--replay-micro-batch-size"]), precision="bench",
+                           distributed_optimizer=False, rollout="file")
+            points.append(MeasuredPoint(path.name, index, data["command"], flags, result,
+                                        plan_layout(profile, layout, run, GPUS["h200"])))
+    return points, skipped
+
+
+def comparison_table(folder: str | Path) -> str:
+    """Markdown: every plannable point's predicted against measured peak and times, then the
+    points not planned and why."""
+    points, skipped = measured_points(folder)
+
+    def cell(point, key, spec):
+        measured, predicted = point.measured()[key], point.predicted()[key]
+        if measured is None or predicted is None:
+            return ""
+        return f"{predicted:{spec}} / {measured:{spec}} ({predicted / measured - 1:+.1%})"
+
+    lines = ["| run | point | layout | prompt | G | peak GiB | capture s | replay s / response | prompt backward s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in points:
+        r = p.result
+        mode = " exact" if r.get("prompt_gradient") == "exact" else ""
+        cold = " (cold: times not compared)" if p.cold and not p.oom else ""
+        if p.oom:
+            lines.append(f"| `{p.file}` | {p.index} | {p.plan.layout.label()}{mode} | {r['prompt_length']:,} "
+                         f"| {r['group']} | {p.plan.memory.peak:.2f} / out of memory | | | |")
+            continue
+        lines.append(f"| `{p.file}` | {p.index}{cold} | {p.plan.layout.label()}{mode} | {r['prompt_length']:,} "
+                     f"| {r['group']} | {cell(p, 'peak', '.2f')} | {cell(p, 'capture', '.1f')} "
+                     f"| {cell(p, 'replay', '.2f')} | {cell(p, 'prompt_backward', '.1f')} |")
+    if skipped:
+        lines += ["", "Not planned:", ""]
+        lines += [f"- `{name}` point {index}: {reason}" for name, index, reason in skipped]
+    return "\n".join(lines)
