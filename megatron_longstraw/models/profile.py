@@ -79,13 +79,17 @@ class ModelProfile:
     name: str
     """The config's name (a preset name or the folder's ``model_type``)."""
     hidden_size: int
+    """The model's width."""
     vocab_size: int
+    """Its vocabulary (the output layer's rows)."""
     embedding_params: int
     """Input embedding (vocab x hidden)."""
     output_params: int
     """Output layer (0 when tied to the embedding)."""
     final_norm_params: int
+    """The final norm's weights."""
     layers: tuple[LayerProfile, ...]
+    """Every decoder layer, in order."""
     logits_bytes_per_token: float
     """Bytes autograd keeps per replayed token after the last layer (last stage): the final norm,
     the output layer's input and the per-token log-prob (``replay_output_bytes``). Nothing

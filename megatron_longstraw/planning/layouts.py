@@ -10,11 +10,17 @@ class Layout:
     """One way to spread a run over ``world`` GPUs (Megatron's sizes; EP over DP x CP ranks)."""
 
     tp: int = 1
+    """``--tensor-model-parallel-size``."""
     cp: int = 1
+    """``--context-parallel-size``."""
     pp: int = 1
+    """``--pipeline-model-parallel-size``."""
     vpp: int = 1
+    """``--num-virtual-stages-per-pipeline-rank``."""
     ep: int = 1
+    """``--expert-model-parallel-size`` (over the DP x CP ranks)."""
     dp: int = 1
+    """Data-parallel replicas: the GPUs over TP x CP x PP."""
 
     @property
     def world(self) -> int:

@@ -32,11 +32,17 @@ class MeasuredPoint:
     """One measured benchmark point and its plan."""
 
     file: str
+    """The JSON's file name."""
     index: int
+    """The point's index in its ``results``."""
     command: str
+    """The benchmark command that measured it."""
     flags: dict
+    """The command's flags the plan needs (with the benchmark's defaults)."""
     result: dict
+    """The measured point."""
     plan: LayoutPlan
+    """Its plan (one H200, the benchmark's precision, no decode)."""
 
     @property
     def cold(self) -> bool:

@@ -32,17 +32,29 @@ class MemoryPlan:
     """One GPU's predicted memory (GiB), the busiest pipeline stage's."""
 
     stage: int
+    """The pipeline stage these figures are of (the busiest)."""
     weights: float
+    """Parameters (and a frozen reference copy with ``--kl-coef`` > 0)."""
     gradients: float
+    """Gradient buffers."""
     optimizer: float
+    """Main weights and Adam moments (this GPU's shard with the distributed optimizer)."""
     prompt_state: float
+    """The captured state (with the recurrent layers' chunk-start states in exact mode)."""
     state_gradients: float
+    """Exact mode: the state's fp32 gradient buffers."""
     capture_transients: float
+    """One capture chunk's no-grad transients (an estimate)."""
     replay_activations: float
+    """The replayed micro-batches in flight on this stage."""
     sweep_activations: float
+    """Exact mode: one swept chunk's recompute."""
     floor: float
+    """Everything above, the three spans counted by their largest."""
     allowance: float
+    """``ALLOWANCE`` of the floor."""
     peak: float
+    """The predicted peak: floor + allowance."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +104,7 @@ def _state_bytes(profile: ModelProfile, layers, layout: Layout, run: RunShape, l
     return state, grads
 
 
-def in_flight_micro_batches(layout: Layout, run: RunShape, stage: int) -> int:
+def in_flight_micro_batches(layout: Layout, run: RunShape, stage: int) -> float:
     """Replay micro-batches whose activations one stage holds at once: Megatron's 1F1B warm-up
     keeps ``pp - stage`` (interleaved: more, as its schedule says) of the group's micro-batches."""
     micro_batches = -(-run.num_generations // run.micro_batch_size)

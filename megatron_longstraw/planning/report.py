@@ -16,11 +16,17 @@ class PlanRequest:
     """A parsed planner command line."""
 
     profile: ModelProfile
+    """The model (its family's ``plan_profile``)."""
     hf: dict
+    """Its config (for the family's layout check)."""
     run: RunShape
+    """The step's shape."""
     gpu: GpuSpec
+    """The GPU model."""
     num_gpus: int
+    """GPUs of the run."""
     fixed: dict = field(default_factory=dict)
+    """Layout sizes the command line fixed (``Layout`` field names)."""
     chunk_sizes: tuple[int, ...] | None = None
     """Chunk sizes to try (``None``: the run's ``--prompt-chunk-size``, given)."""
     recompute: tuple[bool, ...] | None = None

@@ -28,12 +28,19 @@ class TimePlan:
     """Predicted seconds per step (one prompt group per DP rank per ``prompts_per_rank``)."""
 
     capture: float
+    """The chunked no-grad pass over one prompt."""
     decode: float
+    """Sampling the G responses from the state (internal rollouts)."""
     replay: float
+    """Every response's forward and backward (the group)."""
     prompt_backward: float
+    """Exact mode: the reverse sweep over the prompt."""
     optimizer: float
+    """The optimizer step."""
     prompts_per_rank: int
+    """Prompt groups each DP rank runs per step."""
     step: float
+    """``prompts_per_rank`` x (capture + decode + replay + prompt backward) + optimizer."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -150,7 +157,8 @@ def sweep_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: Gpu
 
 def decode_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: GpuSpec, state_bytes: float) -> float:
     """Decoding the G samples in lock step: each step reads this GPU's weights and its prompt
-    state once for all samples (bandwidth-bound)."""
+    state once for all samples (bandwidth-bound; ``state_bytes`` may include exact mode's
+    chunk-start copies, which decoding does not read: an upper bound there)."""
     if run.rollout != "internal":
         return 0.0
     weight_bytes = PRECISIONS[run.precision][0]
