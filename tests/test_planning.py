@@ -48,6 +48,18 @@ def test_every_measured_run_is_predicted_within_the_bounds():
     assert not failures, "\n".join(failures)
 
 
+def test_the_fitted_rates_are_the_ones_the_planner_uses():
+    """kernels.py's rates read off the runs are what the least-squares fit over docs/bench gives
+    (within 5%): a new run that moves them asks for a refit."""
+    from megatron_longstraw.planning import kernels
+    from megatron_longstraw.planning.calibration import fit_rates
+
+    fitted = fit_rates(ROOT / "docs/bench")
+    assert len(fitted) == 9
+    off = {name: value / getattr(kernels, name) - 1 for name, value in fitted.items()}
+    assert all(abs(x) < 0.05 for x in off.values()), off
+
+
 def test_every_run_that_ran_out_of_memory_is_predicted_not_to_fit():
     ooms = [p for p in _points() if p.oom]
     assert ooms, "docs/bench holds out-of-memory points (glm-5-mini exact at 512K with 32K chunks)"

@@ -38,12 +38,22 @@ def main(argv=None) -> int:
     g.add_argument("--top", type=int, default=0, help="show only the first N layouts (0: all)")
     g.add_argument("--against", metavar="DIR", default=None,
                    help="instead: every benchmark run in DIR (bench_*.json) beside its plan, as a markdown table")
+    g.add_argument("--fit-rates", metavar="DIR", default=None,
+                   help="instead: the kernel rates of planning/kernels.py read off DIR's runs by least squares")
     args = parser.parse_args(argv)
     try:
         if args.max_step_seconds is not None and (not args.max_prompt or args.max_step_seconds <= 0):
             raise ValueError("--max-step-seconds needs --max-prompt and a positive number of seconds")
         if args.top < 0:
             raise ValueError(f"--top {args.top}: must be 0 (all) or more")
+        if args.fit_rates:
+            from megatron_longstraw.planning import kernels
+            from megatron_longstraw.planning.calibration import fit_rates
+
+            print("| constant | fitted | planning/kernels.py |\n| --- | --- | --- |")
+            for name, value in fit_rates(args.fit_rates).items():
+                print(f"| `{name}` | {value:.4g} | {getattr(kernels, name):.4g} |")
+            return 0
         if args.against:
             from megatron_longstraw.planning.measured import comparison_table
 

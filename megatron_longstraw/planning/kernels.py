@@ -5,37 +5,38 @@ Scaled to another GPU by its dense bf16 peak (``hardware.py``). Two sources:
   of 256, 32K queries over 262K-1M keys: forward 619-666 TFLOP/s, backward 361-362 TFLOP/s with
   the backward counted as 2.5 x the forward's FLOPs);
 - the benchmark's own runs (``python tools/bench_longstraw.py ...``, each command in
-  ``docs/bench/``), from which the rest are read off: ``docs/planning.md`` gives each constant's
-  runs and how well every run is then predicted.
+  ``docs/bench/``), from which the rest are read off by least squares
+  (``python tools/plan_budget.py --fit-rates docs/bench`` recomputes them: ``calibration.py``;
+  ``docs/planning.md`` shows how well every run is then predicted).
 """
 
 ATTENTION_FWD_TFLOPS = 650.0
 """Dense causal/prefix attention forward (cuDNN SDPA), TFLOP/s."""
 ATTENTION_BWD_TFLOPS = 362.0
 """Its backward, TFLOP/s, FLOPs counted as ``ATTENTION_BWD_FLOPS_RATIO`` x the forward's."""
-SWEEP_ATTENTION_BWD_TFLOPS = 506.0
+SWEEP_ATTENTION_BWD_TFLOPS = 510.0
 """The exact mode's sweep: attention backward, effective TFLOP/s read off the exact runs (a chunk of
 16K-32K queries over the earlier keys, in ``--prefix-block`` blocks). It is above the isolated
 kernel's 362: the cause is not known (docs/planning.md)."""
 ATTENTION_BWD_FLOPS_RATIO = 2.5
 """Backward FLOPs over forward FLOPs of attention (scores recomputed, dQ, dK, dV)."""
-LINEAR_TFLOPS = 373.0
+LINEAR_TFLOPS = 375.0
 """GEMMs of the decoder and the output layer, TFLOP/s (placeholder until fitted)."""
 DELTA_RULE_FWD_S = 10.0e-3 / (262144 * 16)
 """Gated DeltaNet chunked delta rule forward per token and value head (fla 0.6.0: 10.0 ms for
 262,144 tokens x 16 heads of 128 x 128)."""
-DELTA_RULE_BWD_S = 4.66e-8
+DELTA_RULE_BWD_S = 5.20e-8
 """Its backward per token and head, read off the replays (8K-token responses: fla's backward with
-tilelang; 19x its forward at this size, conv and gating included)."""
-TOKEN_LAYER_S = 4.19e-8
+tilelang; 22x its forward at this size, conv and gating included)."""
+TOKEN_LAYER_S = 4.11e-8
 """Elementwise work per token and layer (norms, activations, residuals, routing)."""
 SPARSE_MLA_TFLOPS = 55.3
 """DSA sparse MLA forward, TFLOP/s."""
-SPARSE_MLA_BWD_TFLOPS = 1.82
+SPARSE_MLA_BWD_TFLOPS = 1.81
 """Its backward, TFLOP/s."""
 INDEXER_TFLOPS = 111.2
 """DSA indexer scores and top-k selection, TFLOP/s of its score FLOPs."""
-CHUNK_OVERHEAD_S = 0.0104
+CHUNK_OVERHEAD_S = 0.011
 """Fixed cost per capture chunk (launches, state appends)."""
 PARALLEL_EFFICIENCY = 0.9
 """Fraction of the ideal speed-up TP x CP keeps (collectives): CP=2 capture and replay of

@@ -52,7 +52,7 @@ def _pairs(offset: float, length: float) -> float:
 
 
 @dataclass
-class _Work:
+class KernelWork:
     """Kernel work of a span, whole model (one GPU's share: divide by the layout)."""
 
     linear: float = 0.0        # GEMM FLOPs
@@ -83,9 +83,9 @@ class _Work:
         return seconds * scale / efficiency
 
 
-def _span(profile: ModelProfile, offset: float, length: float, *, logits: bool, indexer: bool = True) -> _Work:
+def span_work(profile: ModelProfile, offset: float, length: float, *, logits: bool, indexer: bool = True) -> KernelWork:
     """The work of ``length`` tokens after ``offset`` earlier positions through every layer."""
-    w = _Work()
+    w = KernelWork()
     for layer in profile.layers:
         w.linear += 2.0 * layer.active_linear_params * length
         if layer.sparse_topk:
@@ -114,10 +114,10 @@ def _sparse_keys(run: RunShape, topk: int) -> float:
     return total
 
 
-def _prompt_work(profile: ModelProfile, run: RunShape, *, indexer: bool = True) -> _Work:
+def prompt_work(profile: ModelProfile, run: RunShape, *, indexer: bool = True) -> KernelWork:
     """The work of the whole chunked prompt: the chunks' causal pairs sum to the prompt's
     (``prompt_length ** 2 / 2``) for any chunking; sparse attention is summed per chunk."""
-    w = _span(profile, 0.0, run.prompt_length, logits=False, indexer=indexer)
+    w = span_work(profile, 0.0, run.prompt_length, logits=False, indexer=indexer)
     w.sparse = sum(layer.attention_pair_flops * _sparse_keys(run, layer.sparse_topk)
                    for layer in profile.layers if layer.sparse_topk)
     return w
@@ -125,7 +125,7 @@ def _prompt_work(profile: ModelProfile, run: RunShape, *, indexer: bool = True) 
 
 def capture_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: GpuSpec) -> float:
     """The no-grad chunked pass over the prompt."""
-    return _prompt_work(profile, run).seconds(gpu, layout) + run.num_chunks * K.CHUNK_OVERHEAD_S
+    return prompt_work(profile, run).seconds(gpu, layout) + run.num_chunks * K.CHUNK_OVERHEAD_S
 
 
 def replay_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: GpuSpec) -> float:
@@ -135,7 +135,7 @@ def replay_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: Gp
     micro_batches = -(-run.num_generations // run.micro_batch_size)
     # a family whose CP ranks each replay the whole response gains nothing from CP here
     replay_layout = layout if profile.replay_splits_over_cp else replace(layout, cp=1)
-    work = _span(profile, run.prompt_length, run.response_length * run.micro_batch_size, logits=True)
+    work = span_work(profile, run.prompt_length, run.response_length * run.micro_batch_size, logits=True)
     one = work.seconds(gpu, replay_layout, backward=True, pipeline_efficiency=K.PIPELINE_REPLAY_EFFICIENCY)
     if run.recompute:  # every layer's forward once more in backward
         one += work.seconds(gpu, replay_layout, pipeline_efficiency=K.PIPELINE_REPLAY_EFFICIENCY)
@@ -149,8 +149,8 @@ def sweep_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: Gpu
         return 0.0
     # under PP one micro-batch per chunk goes stage to stage: the stages do not overlap
     serial = replace(layout, pp=1)
-    with_grad = _prompt_work(profile, run, indexer=False)
-    indexer = _Work(indexer=_prompt_work(profile, run).indexer)
+    with_grad = prompt_work(profile, run, indexer=False)
+    indexer = KernelWork(indexer=prompt_work(profile, run).indexer)
     return (with_grad.seconds(gpu, serial, backward=True, attention_bwd_tflops=K.SWEEP_ATTENTION_BWD_TFLOPS)
             + indexer.seconds(gpu, serial) + run.num_chunks * K.CHUNK_OVERHEAD_S)
 
