@@ -31,10 +31,8 @@ from megatron_longstraw.longstraw.replay import replay_responses
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
-from megatron_longstraw.planning.hardware import GPUS
-from megatron_longstraw.planning.layouts import Layout
-from megatron_longstraw.planning.planner import model_profile, plan_layout
-from megatron_longstraw.planning.run import RunShape
+from megatron_longstraw.planning.measured import bench_plan
+from megatron_longstraw.planning.planner import model_profile
 from megatron_longstraw.training.arguments import add_kernel_flags, kernel_options_from_args
 from bench_output import bench_stem, write_bench_files  # tools/, beside this script
 
@@ -215,16 +213,13 @@ def _loss_fn(total_tokens):
 def _planned(hf, prompt_length, group, args) -> dict | None:
     """The budget planner's prediction for a LongStraw point (``planning/``, the formulas of
     ``tools/plan_budget.py``): peak and floor GiB, capture, replay per response and sweep s."""
-    run = RunShape(prompt_length=prompt_length, response_length=args.response_length, num_generations=group,
-                   prompt_gradient=args.prompt_gradient, chunk_size=args.prompt_chunk_size,
-                   micro_batch_size=args.replay_micro_batch_size, precision="bench", distributed_optimizer=False,
-                   rollout="file")
-    layout = Layout(cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size,
-                    vpp=args.num_virtual_stages_per_pipeline_rank)
     profile = model_profile(hf)
     if profile is None:  # a family without plan_profile: nothing to predict
         return None
-    plan = plan_layout(profile, layout, run, GPUS["h200"])
+    plan = bench_plan(profile, cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size,
+                      vpp=args.num_virtual_stages_per_pipeline_rank, prompt_length=prompt_length,
+                      response_length=args.response_length, group=group, prompt_gradient=args.prompt_gradient,
+                      chunk_size=args.prompt_chunk_size, micro_batch_size=args.replay_micro_batch_size)
     return dict(peak_gib=plan.memory.peak, floor_gib=plan.memory.floor, capture_s=plan.time.capture,
                 replay_s=plan.time.replay / group, prompt_backward_s=plan.time.prompt_backward)
 

@@ -17,11 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
-from megatron_longstraw.models.profile import ModelProfile
 from megatron_longstraw.planning import kernels as K
-from megatron_longstraw.planning.measured import COLD_RUNS, MeasuredPoint, measured_points
-from megatron_longstraw.planning.planner import model_profile
+from megatron_longstraw.planning.measured import COLD_RUNS, measured_points
 from megatron_longstraw.planning.timing import prompt_work, span_work
 
 
@@ -40,7 +37,7 @@ def fit_rates(folder: str | Path) -> dict:
     fitted = {}
     split = max((p for p in every if (p.result.get("capture_split_s") or {}).get("indexer")),
                 key=lambda p: p.result["prompt_length"])  # the longest: compilation weighs least
-    work = prompt_work(_profile(split), split.plan.run)
+    work = prompt_work(split.profile, split.plan.run)
     fitted["INDEXER_TFLOPS"] = work.indexer / split.result["capture_split_s"]["indexer"] / 1e12
     fitted["SPARSE_MLA_TFLOPS"] = work.sparse / split.result["capture_split_s"]["sparse_attention"] / 1e12
     rates = {**vars(K), **fitted}
@@ -49,7 +46,7 @@ def fit_rates(folder: str | Path) -> dict:
     for p in points:
         if p.cold:  # its capture compiled kernels (``MeasuredPoint.cold``)
             continue
-        w = prompt_work(_profile(p), p.plan.run)
+        w = prompt_work(p.profile, p.plan.run)
         cols.append([w.linear / 1e12, w.tokens, p.plan.run.num_chunks])
         known.append(w.attention / 1e12 / K.ATTENTION_FWD_TFLOPS + w.delta_rule * K.DELTA_RULE_FWD_S
                      + w.indexer / 1e12 / rates["INDEXER_TFLOPS"] + w.sparse / 1e12 / rates["SPARSE_MLA_TFLOPS"])
@@ -60,7 +57,7 @@ def fit_rates(folder: str | Path) -> dict:
     cols, known, meas = [], [], []
     for p in points:
         r = p.result
-        w = span_work(_profile(p), r["prompt_length"], r["response_length"], logits=True)
+        w = span_work(p.profile, r["prompt_length"], r["response_length"], logits=True)
         cols.append([K.ATTENTION_BWD_FLOPS_RATIO * w.attention / 1e12, w.delta_rule,
                      K.ATTENTION_BWD_FLOPS_RATIO * w.sparse / 1e12])
         known.append(3 * w.linear / 1e12 / fitted["LINEAR_TFLOPS"] + 3 * w.tokens * token
@@ -74,7 +71,7 @@ def fit_rates(folder: str | Path) -> dict:
     for p in points:
         if p.result.get("prompt_backward_s") is None:
             continue
-        w = prompt_work(_profile(p), p.plan.run, indexer=False)
+        w = prompt_work(p.profile, p.plan.run, indexer=False)
         cols.append([K.ATTENTION_BWD_FLOPS_RATIO * w.attention / 1e12])
         known.append(3 * w.linear / 1e12 / fitted["LINEAR_TFLOPS"] + 3 * w.tokens * token
                      + w.attention / 1e12 / K.ATTENTION_FWD_TFLOPS + w.delta_rule * (K.DELTA_RULE_FWD_S + delta_bwd)
@@ -83,11 +80,3 @@ def fit_rates(folder: str | Path) -> dict:
     if meas:
         fitted["SWEEP_ATTENTION_BWD_TFLOPS"] = 1 / _lstsq(cols, known, meas)[0]
     return fitted
-
-
-def _profile(point: MeasuredPoint) -> ModelProfile:
-    """The measured point's model (its command's ``--model`` and ``--num-layers``)."""
-    hf = resolve_hf_config(point.flags["--model"])
-    if point.flags["--num-layers"]:
-        hf = with_num_layers(hf, int(point.flags["--num-layers"]))
-    return model_profile(hf)

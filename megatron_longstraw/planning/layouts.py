@@ -1,6 +1,9 @@
 """The parallel layouts of a GPU count that a model admits."""
 
+import itertools
 from dataclasses import dataclass
+
+from megatron_longstraw.distributed import ParallelSizes
 
 from megatron_longstraw.models.profile import ModelProfile
 
@@ -26,6 +29,16 @@ class Layout:
     def world(self) -> int:
         """GPUs the layout uses."""
         return self.tp * self.cp * self.pp * self.dp
+
+    @classmethod
+    def of(cls, sizes: ParallelSizes, dp: int) -> "Layout":
+        """The layout of Megatron's model-parallel ``sizes`` with ``dp`` data-parallel replicas."""
+        return cls(tp=sizes.tensor, cp=sizes.context, pp=sizes.pipeline, vpp=sizes.virtual_pipeline,
+                   ep=sizes.expert, dp=dp)
+
+    def parallel_sizes(self) -> ParallelSizes:
+        """Its model-parallel sizes as the trainer holds them."""
+        return ParallelSizes(self.tp, self.cp, self.ep, self.pp, self.vpp)
 
     def label(self) -> str:
         """``TP2 CP4 PP1 DP1`` (virtual stages and EP shown when used)."""
@@ -72,23 +85,16 @@ def candidate_layouts(profile: ModelProfile, num_gpus: int, *, tp=None, cp=None,
     """Every valid layout of ``num_gpus`` GPUs, the given sizes fixed."""
     if num_gpus < 1:
         raise ValueError(f"--num-gpus {num_gpus}: must be at least 1")
+    sizes = _divisors(num_gpus)
     out = []
-    for t in [tp] if tp else _divisors(num_gpus):
-        if num_gpus % t:
+    for t, c, p in itertools.product([tp] if tp else sizes, [cp] if cp else sizes, [pp] if pp else sizes):
+        if num_gpus % (t * c * p) or (dp and num_gpus // (t * c * p) != dp):
             continue
-        for c in [cp] if cp else _divisors(num_gpus // t):
-            if (num_gpus // t) % c:
-                continue
-            for p in [pp] if pp else _divisors(num_gpus // (t * c)):
-                if (num_gpus // (t * c)) % p:
-                    continue
-                d = num_gpus // (t * c * p)
-                if dp and d != dp:
-                    continue
-                for v in [vpp] if vpp else range(1, (max_vpp if p > 1 else 1) + 1):
-                    experts = [ep] if ep else [1, *(x for x in _divisors(d * c) if x > 1 and profile.num_experts)]
-                    for e in experts:
-                        layout = Layout(t, c, p, v, e, d)
-                        if layout_problem(profile, layout) is None:
-                            out.append(layout)
+        d = num_gpus // (t * c * p)
+        virtual = [vpp] if vpp else range(1, (max_vpp if p > 1 else 1) + 1)
+        experts = [ep] if ep else [1, *(x for x in _divisors(d * c) if x > 1 and profile.num_experts)]
+        for v, e in itertools.product(virtual, experts):
+            layout = Layout(t, c, p, v, e, d)
+            if layout_problem(profile, layout) is None:
+                out.append(layout)
     return out

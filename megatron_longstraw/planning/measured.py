@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from megatron_longstraw.models.profile import ModelProfile
 from megatron_longstraw.planning.hardware import GPUS
 from megatron_longstraw.planning.layouts import Layout
 from megatron_longstraw.planning.planner import LayoutPlan, model_profile, plan_layout
@@ -41,6 +42,8 @@ class MeasuredPoint:
     """The command's flags the plan needs (with the benchmark's defaults)."""
     result: dict
     """The measured point."""
+    profile: ModelProfile
+    """Its model (the command's ``--model`` and ``--num-layers``)."""
     plan: LayoutPlan
     """Its plan (one H200, the benchmark's precision, no decode)."""
 
@@ -93,6 +96,16 @@ ARTIFACT_OOMS = {  # out-of-memory points whose cause was the benchmark itself, 
 }
 
 
+def bench_plan(profile: ModelProfile, *, cp: int, pp: int, vpp: int, prompt_length: int, response_length: int,
+               group: int, prompt_gradient: str, chunk_size: int, micro_batch_size: int) -> LayoutPlan:
+    """The plan of one benchmark point (``tools/bench_longstraw.py``): one H200 per CP x PP rank,
+    its precision (bf16 gradients and Adam moments, no distributed optimizer), no decoding."""
+    run = RunShape(prompt_length=prompt_length, response_length=response_length, num_generations=group,
+                   prompt_gradient=prompt_gradient, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
+                   precision="bench", distributed_optimizer=False, rollout="file")
+    return plan_layout(profile, Layout(cp=cp, pp=pp, vpp=vpp), run, GPUS["h200"])
+
+
 def plannable(result: dict, flags: dict, name: str = "", index: int = 0) -> str | None:
     """Why a measured point is not a planned run (``None``: it is). An out-of-memory point is
     planned: its predicted peak must exceed the GPU (``MeasuredPoint.oom``)."""
@@ -125,15 +138,14 @@ def measured_points(folder: str | Path) -> tuple[list[MeasuredPoint], list[tuple
             if reason:
                 skipped.append((path.name, index, reason))
                 continue
-            layout = Layout(cp=int(flags["--context-parallel-size"]), pp=int(flags["--pipeline-model-parallel-size"]),
-                            vpp=int(flags["--num-virtual-stages-per-pipeline-rank"]))
-            run = RunShape(prompt_length=result["prompt_length"], response_length=result["response_length"],
-                           num_generations=result["group"], prompt_gradient=result.get("prompt_gradient", "detached"),
-                           chunk_size=int(flags["--prompt-chunk-size"]),
-                           micro_batch_size=int(flags["--replay-micro-batch-size"]), precision="bench",
-                           distributed_optimizer=False, rollout="file")
-            points.append(MeasuredPoint(path.name, index, data["command"], flags, result,
-                                        plan_layout(profile, layout, run, GPUS["h200"])))
+            plan = bench_plan(profile, cp=int(flags["--context-parallel-size"]),
+                              pp=int(flags["--pipeline-model-parallel-size"]),
+                              vpp=int(flags["--num-virtual-stages-per-pipeline-rank"]),
+                              prompt_length=result["prompt_length"], response_length=result["response_length"],
+                              group=result["group"], prompt_gradient=result.get("prompt_gradient", "detached"),
+                              chunk_size=int(flags["--prompt-chunk-size"]),
+                              micro_batch_size=int(flags["--replay-micro-batch-size"]))
+            points.append(MeasuredPoint(path.name, index, data["command"], flags, result, profile, plan))
     return points, skipped
 
 

@@ -2,12 +2,11 @@
 
 from dataclasses import dataclass, replace
 
-from megatron_longstraw.distributed import ParallelSizes
 from megatron_longstraw.models.profile import ModelProfile
 from megatron_longstraw.models.registry import family_for
 from megatron_longstraw.planning.hardware import GpuSpec
 from megatron_longstraw.planning.layouts import Layout, candidate_layouts, layout_problem
-from megatron_longstraw.planning.memory import ALLOWANCE, MemoryPlan, memory_plan
+from megatron_longstraw.planning.memory import MemoryPlan, memory_plan
 from megatron_longstraw.planning.run import RunShape
 from megatron_longstraw.planning.timing import TimePlan, time_plan
 
@@ -78,9 +77,8 @@ def run_problem(layout: Layout, run: RunShape, hf: dict | None = None,
         return "--sequence-parallel is not served with --context-parallel-size > 1"
     if hf is not None:
         family = family_for(hf["model_type"])
-        sizes = ParallelSizes(layout.tp, layout.cp, layout.ep, layout.pp, layout.vpp)
         try:
-            family.check_layout(family.normalize_hf_config(hf), sizes, "internal" if run.rollout == "internal" else "jsonl")
+            family.check_layout(family.normalize_hf_config(hf), layout.parallel_sizes(), "internal" if run.rollout == "internal" else "jsonl")
         except ValueError as err:
             return str(err)
     return None
@@ -93,10 +91,14 @@ def plan_all(profile: ModelProfile, run: RunShape, gpu: GpuSpec, num_gpus: int, 
     for its family's layout check) with each of ``chunk_sizes`` and ``recompute`` settings
     (``None``: the run's own), fits first, fastest first."""
     layouts = _layouts(profile, run, num_gpus, hf, fixed)
-    runs = [replace(run, chunk_size=c, recompute=r) for c in (chunk_sizes or (run.chunk_size,))
-            for r in (recompute or (run.recompute,))]
-    plans = [plan_layout(profile, layout, r, gpu) for layout in layouts for r in runs]
+    plans = [plan_layout(profile, layout, r, gpu) for layout in layouts for r in _shapes(run, chunk_sizes, recompute)]
     return sorted(plans, key=lambda p: (not p.fits, p.time.step, p.memory.peak))
+
+
+def _shapes(run: RunShape, chunk_sizes: tuple[int, ...] | None, recompute: tuple[bool, ...] | None) -> list[RunShape]:
+    """``run`` with each of ``chunk_sizes`` and ``recompute`` settings (``None``: the run's own)."""
+    return [replace(run, chunk_size=c, recompute=r) for c in (chunk_sizes or (run.chunk_size,))
+            for r in (recompute or (run.recompute,))]
 
 
 def _layouts(profile: ModelProfile, run: RunShape, num_gpus: int, hf: dict | None, fixed: dict) -> list[Layout]:
@@ -115,7 +117,7 @@ def _no_layout(profile: ModelProfile, run: RunShape, num_gpus: int, hf: dict | N
     if num_gpus % product:
         return f"the fixed parallel sizes ({product} GPUs) do not divide --num-gpus {num_gpus}"
     free = num_gpus // product
-    implied = Layout(**{**sizes, "dp": sizes.get("dp", free if "dp" not in sizes else 1)})
+    implied = Layout(**{"dp": free, **sizes})
     reason = layout_problem(profile, implied) or run_problem(implied, run, hf, profile)
     return reason or f"no layout of {num_gpus} GPUs serves {profile.name} with these sizes"
 
@@ -134,11 +136,11 @@ def max_prompt(profile: ModelProfile, run: RunShape, gpu: GpuSpec, num_gpus: int
     within ``max_step_seconds`` per step if given, and the fastest such plan; ``(0, None)`` when
     none does."""
     layouts = _layouts(profile, run, num_gpus, hf, fixed)
-    shapes = [(c, r) for c in (chunk_sizes or (run.chunk_size,)) for r in (recompute or (run.recompute,))]
+    shapes = _shapes(run, chunk_sizes, recompute)
 
     def ok(length: int) -> bool:  # memory first (cheap), the step time only where it must hold
-        for chunk, again in shapes:
-            shaped = replace(run, prompt_length=length, chunk_size=chunk, recompute=again)
+        for shape in shapes:
+            shaped = replace(shape, prompt_length=length)
             for layout in layouts:
                 if memory_plan(profile, layout, shaped).peak > gpu.memory_gib:
                     continue
@@ -160,6 +162,3 @@ def max_prompt(profile: ModelProfile, run: RunShape, gpu: GpuSpec, num_gpus: int
     fitting = [p for p in plans if p.fits and (max_step_seconds is None or p.time.step <= max_step_seconds)]
     return low * PROMPT_GRANULE, min(fitting, key=lambda p: p.time.step)
 
-
-__all__ = ["ALLOWANCE", "LayoutPlan", "fastest_fitting", "max_prompt", "model_profile", "plan_all", "plan_layout",
-           "run_problem"]

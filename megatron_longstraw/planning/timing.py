@@ -149,8 +149,9 @@ def sweep_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: Gpu
         return 0.0
     # under PP one micro-batch per chunk goes stage to stage: the stages do not overlap
     serial = replace(layout, pp=1)
-    with_grad = prompt_work(profile, run, indexer=False)
-    indexer = KernelWork(indexer=prompt_work(profile, run).indexer)
+    with_grad = prompt_work(profile, run)
+    indexer = KernelWork(indexer=with_grad.indexer)  # forward only: top-k takes no gradient
+    with_grad.indexer = 0.0
     return (with_grad.seconds(gpu, serial, backward=True, attention_bwd_tflops=K.SWEEP_ATTENTION_BWD_TFLOPS)
             + indexer.seconds(gpu, serial) + run.num_chunks * K.CHUNK_OVERHEAD_S)
 

@@ -7,7 +7,6 @@ import re
 import torch
 
 from megatron_longstraw.data.prompts import resolve_max_prompt_length
-
 from megatron_longstraw.planning.hardware import GPUS, GpuSpec
 from megatron_longstraw.planning.layouts import Layout
 from megatron_longstraw.planning.memory import PEAK_ERROR
@@ -28,9 +27,7 @@ def trainer_prompt_length(args, hf: dict) -> tuple[int, str]:
 
 def trainer_run(args, hf: dict) -> tuple[Layout, RunShape]:
     """This run's layout and step shape, as the planner sees them."""
-    p = args.parallel
-    layout = Layout(tp=p.tensor, cp=p.context, pp=p.pipeline, vpp=p.virtual_pipeline, ep=p.expert,
-                    dp=args.data_parallel_size)
+    layout = Layout.of(args.parallel, args.data_parallel_size)
     run = RunShape(prompt_length=trainer_prompt_length(args, hf)[0], response_length=args.max_response_length,
                    num_generations=args.num_generations, prompt_gradient=args.prompt_gradient,
                    chunk_size=args.prompt_chunk_size, micro_batch_size=args.replay_micro_batch_size,
