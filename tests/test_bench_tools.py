@@ -196,6 +196,27 @@ def test_largest_prompt_fit_is_the_line_through_the_peaks():
     (fit,) = largest_prompt_fits(rows + [dict(rows[0], oom=True, prompt_length=2**23)])
     assert abs(fit["fixed_gib"] - 10) < 1e-9 and abs(fit["per_1k_mib"] - 1.0) < 1e-9
     assert fit["largest_prompt"] == 130 * 2**20
+    capped = [dict(r, memory_limit_gib=30.0) for r in rows]  # --memory-limit-gb: the cap is the memory
+    (fit,) = largest_prompt_fits(capped)
+    assert fit["device_gib"] == 30.0 and fit["largest_prompt"] == 20 * 2**20
+
+
+def test_memory_limit_is_checked_and_planned_for():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_longstraw import _planned, parse_args
+
+    with pytest.raises(ValueError, match="--memory-limit-gb 0.0: must be positive"):
+        parse_args(["--memory-limit-gb", "0"])
+    hf = resolve_hf_config("qwen3.5-0.8b")
+    whole = _planned(hf, 2**18, 2, parse_args(["--prompt-gradient", "exact"]))
+    capped = parse_args(["--prompt-gradient", "exact", "--memory-limit-gb", "32"])
+    from megatron_longstraw.planning.measured import bench_plan
+    from megatron_longstraw.planning.planner import model_profile
+
+    plan = bench_plan(model_profile(hf), cp=1, pp=1, vpp=1, prompt_length=2**18, response_length=8192, group=2,
+                      prompt_gradient="exact", chunk_size=32768, micro_batch_size=1, memory_gib=32e9 / 2**30)
+    assert plan.gpu_memory_gib == 32e9 / 2**30 and not plan.fits  # ~58 GiB planned does not fit 29.8
+    assert whole["fits"] and _planned(hf, 2**18, 2, capped) == dict(whole, fits=False)
 
 
 def test_trainer_capture_mfu_covers_both_families(monkeypatch):

@@ -42,15 +42,16 @@ GiB = 2 ** 30
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3.5-0.8b")
-    p.add_argument("--prompt-lengths", default="131072")
-    p.add_argument("--group-sizes", default="2,8")
-    p.add_argument("--response-length", type=int, default=8192)
-    p.add_argument("--modes", default="longstraw,full")
+    p.add_argument("--model", default="qwen3.5-0.8b", help="preset name, HF folder or config.json")
+    p.add_argument("--prompt-lengths", default="131072", help="comma-separated prompt lengths, one point each")
+    p.add_argument("--group-sizes", default="2,8", help="comma-separated G (responses per prompt), one point each")
+    p.add_argument("--response-length", type=int, default=8192, help="tokens per response")
+    p.add_argument("--modes", default="longstraw,full",
+                   help="longstraw (capture once, replay each response) and/or full (the full graph per response)")
     p.add_argument("--full-prompt-lengths", default=None,
                    help="prompt lengths for the full-graph mode (default: --prompt-lengths)")
-    p.add_argument("--prompt-chunk-size", type=int, default=32768)
-    p.add_argument("--replay-micro-batch-size", type=int, default=1)
+    p.add_argument("--prompt-chunk-size", type=int, default=32768, help="prompt tokens per capture chunk")
+    p.add_argument("--replay-micro-batch-size", type=int, default=1, help="responses replayed together")
     p.add_argument("--prompt-gradient", default="detached", choices=["detached", "exact"],
                    help="exact: replay accumulates the prompt state's gradients, then the reverse sweep "
                         "over the prompt (timed as prompt_backward_s); full mode: no detach")
@@ -74,7 +75,11 @@ def parse_args(argv=None):
     p.add_argument("--transformer-impl", default="local", help="local or transformer_engine (Megatron's flag)")
     p.add_argument("--fp8-format", default=None, help="hybrid or e4m3 (needs --transformer-impl transformer_engine)")
     p.add_argument("--fp8-recipe", default="delayed", help="delayed, tensorwise, blockwise or mxfp8")
-    p.add_argument("--output-dir", default="docs/bench")
+    p.add_argument("--memory-limit-gb", type=float, default=None,
+                   help="let the process allocate at most this many GB (10^9 bytes, as tools/plan_budget.py's "
+                        "--gpu-memory-gb) of the GPU (torch.cuda.set_per_process_memory_fraction): every point "
+                        "runs, and is planned, as on a GPU with that much memory")
+    p.add_argument("--output-dir", default="docs/bench", help="folder for the JSON, Markdown and PNG results")
     p.add_argument("--tag", default="", help="suffix for the output file names")
     add_kernel_flags(p.add_argument_group("kernels", "the attention kernels' backend and block sizes"))
     args = p.parse_args(argv)
@@ -91,6 +96,8 @@ def parse_args(argv=None):
     if args.context_parallel_size > 1 and "full" in args.modes:
         raise ValueError(f"--context-parallel-size {args.context_parallel_size}: the full-graph mode runs "
                          "on one rank; use --modes longstraw")
+    if args.memory_limit_gb is not None and args.memory_limit_gb <= 0:
+        raise ValueError(f"--memory-limit-gb {args.memory_limit_gb}: must be positive")
     if args.pipeline_model_parallel_size > 1 and "full" in args.modes:
         raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the full-graph "
                          "mode runs on one rank; use --modes longstraw")
@@ -212,16 +219,33 @@ def _loss_fn(total_tokens):
 
 def _planned(hf, prompt_length, group, args) -> dict | None:
     """The budget planner's prediction for a LongStraw point (``planning/``, the formulas of
-    ``tools/plan_budget.py``): peak and floor GiB, capture, replay per response and sweep s."""
+    ``tools/plan_budget.py``): peak and floor GiB, whether it fits (``--memory-limit-gb`` or
+    the H200), capture, replay per response and sweep s."""
     profile = model_profile(hf)
     if profile is None:  # a family without plan_profile: nothing to predict
         return None
     plan = bench_plan(profile, cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size,
                       vpp=args.num_virtual_stages_per_pipeline_rank, prompt_length=prompt_length,
                       response_length=args.response_length, group=group, prompt_gradient=args.prompt_gradient,
-                      chunk_size=args.prompt_chunk_size, micro_batch_size=args.replay_micro_batch_size)
-    return dict(peak_gib=plan.memory.peak, floor_gib=plan.memory.floor, capture_s=plan.time.capture,
+                      chunk_size=args.prompt_chunk_size, micro_batch_size=args.replay_micro_batch_size,
+                      memory_gib=_memory_limit_gib(args))
+    return dict(peak_gib=plan.memory.peak, floor_gib=plan.memory.floor, fits=plan.fits, capture_s=plan.time.capture,
                 replay_s=plan.time.replay / group, prompt_backward_s=plan.time.prompt_backward)
+
+
+def _memory_limit_gib(args) -> float | None:
+    """``--memory-limit-gb`` in GiB (``None``: the whole GPU)."""
+    return args.memory_limit_gb * 1e9 / GiB if args.memory_limit_gb is not None else None
+
+
+def limit_memory(args) -> None:
+    """Cap what this process's caching allocator may reserve at ``--memory-limit-gb``."""
+    if args.memory_limit_gb is None or not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if args.memory_limit_gb * 1e9 > total:
+        raise ValueError(f"--memory-limit-gb {args.memory_limit_gb}: more than the GPU's {total / 1e9:.1f} GB")
+    torch.cuda.set_per_process_memory_fraction(args.memory_limit_gb * 1e9 / total)
 
 
 def run_point(model, optimizer, hf, mode, prompt_length, group, args):
@@ -237,7 +261,7 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
                   virtual_stages=args.num_virtual_stages_per_pipeline_rank,
                   transformer_impl=args.transformer_impl,
                   fp8=f"{args.fp8_format}/{args.fp8_recipe}" if args.fp8_format else None,
-                  warmup_prompt_length=args.warmup_prompt_length)
+                  warmup_prompt_length=args.warmup_prompt_length, memory_limit_gib=_memory_limit_gib(args))
     if mode == "longstraw" and args.transformer_impl == "local":
         result["planned"] = _planned(hf, prompt_length, group, args)
     _sync()
@@ -363,9 +387,14 @@ def largest_prompt_fits(results) -> list[dict]:
         if slope <= 0:
             continue
         fits.append(dict(mode=mode, cp=cp, pp=pp, group=group, fixed_gib=fixed, per_1k_mib=slope * 1024 * 1024,
-                         device_gib=rows[0]["device_gib"],
-                         largest_prompt=int((rows[0]["device_gib"] - fixed) / slope)))
+                         device_gib=_usable_gib(rows[0]),
+                         largest_prompt=int((_usable_gib(rows[0]) - fixed) / slope)))
     return fits
+
+
+def _usable_gib(result) -> float:
+    """The memory a point could use: its ``--memory-limit-gb``, else the device's."""
+    return result.get("memory_limit_gib") or result["device_gib"]
 
 
 def _mean(values):
@@ -473,6 +502,7 @@ def main(argv=None):
     init_distributed(ParallelSizes(context=args.context_parallel_size, pipeline=args.pipeline_model_parallel_size,
                                    virtual_pipeline=args.num_virtual_stages_per_pipeline_rank), seed=1234)
     rank0 = torch.distributed.get_rank() == 0
+    limit_memory(args)
     hf = resolve_hf_config(args.model)
     if args.num_layers:
         hf = with_num_layers(hf, args.num_layers)

@@ -6,7 +6,7 @@ command and its result, planned for one H200 with the benchmark's precision, and
 
 import json
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
@@ -19,12 +19,22 @@ from megatron_longstraw.planning.run import RunShape
 _DEFAULTS = {"--prompt-chunk-size": "32768", "--replay-micro-batch-size": "1", "--prompt-gradient": "detached",
              "--context-parallel-size": "1", "--pipeline-model-parallel-size": "1",
              "--num-virtual-stages-per-pipeline-rank": "1", "--transformer-impl": "local",
-             "--warmup-prompt-length": None, "--num-layers": None, "--model": "qwen3.5-0.8b"}
+             "--warmup-prompt-length": None, "--num-layers": None, "--model": "qwen3.5-0.8b",
+             "--memory-limit-gb": None}
 
 DEFAULT_WARMUP = 65536  # tools/bench_longstraw.py --warmup-prompt-length
 COLD_RUNS = {  # runs made before the benchmark had a warm-up point (their first point compiled)
     "bench_qwen3.5-0.8b.json": "its first point (capture 93.3 s, first replay 174.8 s) compiled the kernels: "
                                "longstraw_benchmark.md marks it '(compile)'",
+}
+
+
+COLD_POINTS = {  # points whose times carry one-time costs the warm-up did not take, with the evidence
+    ("bench_qwen3.5-0.8b_plan_check_32gb.json", 0): "capture 14.7 s at 324,608 tokens, 10.8 s at 357,376 in the same "
+                                                   "run: the first point after a 4K warm-up met 75 new chunk shapes",
+    ("bench_qwen3.5-0.8b_plan_check_32gb_edge.json", 0): "capture 13.9 s at 324,608 tokens, 9.3 s at 340,992 in the "
+                                                        "same run: the first point after a 64K warm-up met 63 new "
+                                                        "chunk shapes",
 }
 
 
@@ -51,10 +61,11 @@ class MeasuredPoint:
     def cold(self) -> bool:
         """Its times include kernel compilation: the first point of a run whose warm-up prompt
         was shorter than one capture chunk (the chunk's kernels compiled in the first measured
-        point), or of a run made before the benchmark warmed up at all (``COLD_RUNS``)."""
+        point), or of a run made before the benchmark warmed up at all (``COLD_RUNS``), or a point
+        whose one-time costs its run shows (``COLD_POINTS``)."""
         if self.index != 0:
             return False
-        if self.file in COLD_RUNS:
+        if self.file in COLD_RUNS or (self.file, self.index) in COLD_POINTS:
             return True
         warmup = self.result.get("warmup_prompt_length", self.flags["--warmup-prompt-length"] or DEFAULT_WARMUP)
         return int(warmup) < int(self.flags["--prompt-chunk-size"])
@@ -97,13 +108,16 @@ ARTIFACT_OOMS = {  # out-of-memory points whose cause was the benchmark itself, 
 
 
 def bench_plan(profile: ModelProfile, *, cp: int, pp: int, vpp: int, prompt_length: int, response_length: int,
-               group: int, prompt_gradient: str, chunk_size: int, micro_batch_size: int) -> LayoutPlan:
-    """The plan of one benchmark point (``tools/bench_longstraw.py``): one H200 per CP x PP rank,
-    its precision (bf16 gradients and Adam moments, no distributed optimizer), no decoding."""
+               group: int, prompt_gradient: str, chunk_size: int, micro_batch_size: int,
+               memory_gib: float | None = None) -> LayoutPlan:
+    """The plan of one benchmark point (``tools/bench_longstraw.py``): one H200 per CP x PP rank
+    (with ``memory_gib`` of its memory: ``--memory-limit-gb``), its precision (bf16 gradients and
+    Adam moments, no distributed optimizer), no decoding."""
     run = RunShape(prompt_length=prompt_length, response_length=response_length, num_generations=group,
                    prompt_gradient=prompt_gradient, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
                    precision="bench", distributed_optimizer=False, rollout="file")
-    return plan_layout(profile, Layout(cp=cp, pp=pp, vpp=vpp), run, GPUS["h200"])
+    gpu = GPUS["h200"] if memory_gib is None else replace(GPUS["h200"], memory_gib=memory_gib)
+    return plan_layout(profile, Layout(cp=cp, pp=pp, vpp=vpp), run, gpu)
 
 
 def plannable(result: dict, flags: dict, name: str = "", index: int = 0) -> str | None:
@@ -144,7 +158,9 @@ def measured_points(folder: str | Path) -> tuple[list[MeasuredPoint], list[tuple
                               prompt_length=result["prompt_length"], response_length=result["response_length"],
                               group=result["group"], prompt_gradient=result.get("prompt_gradient", "detached"),
                               chunk_size=int(flags["--prompt-chunk-size"]),
-                              micro_batch_size=int(flags["--replay-micro-batch-size"]))
+                              micro_batch_size=int(flags["--replay-micro-batch-size"]),
+                              memory_gib=(float(flags["--memory-limit-gb"]) * 1e9 / 2 ** 30
+                                          if flags["--memory-limit-gb"] else None))
             points.append(MeasuredPoint(path.name, index, data["command"], flags, result, profile, plan))
     return points, skipped
 

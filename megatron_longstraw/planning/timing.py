@@ -74,8 +74,8 @@ class KernelWork:
         if backward:
             keys += K.ATTENTION_BWD_FLOPS_RATIO * (self.attention / attention_bwd_tflops
                                                    + self.sparse / K.SPARSE_MLA_BWD_TFLOPS) / 1e12
-            tokens += (2 * self.linear / K.LINEAR_TFLOPS / 1e12 + self.delta_rule * K.DELTA_RULE_BWD_S
-                       + 2 * self.tokens * K.TOKEN_LAYER_S)
+            tokens += (2 * self.linear / K.LINEAR_TFLOPS / 1e12
+                       + self.delta_rule * K.DELTA_RULE_BWD_RATIO * K.DELTA_RULE_FWD_S + 2 * self.tokens * K.TOKEN_LAYER_S)
         split = layout.tp * layout.pp
         seconds = (keys + tokens) / (split * layout.cp)
         efficiency = (K.PARALLEL_EFFICIENCY if layout.tp * layout.cp > 1 else 1.0) * (
@@ -131,7 +131,8 @@ def capture_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: G
 def replay_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: GpuSpec) -> float:
     """Every response's forward and backward against the state (the whole group). Under PP the
     micro-batches go through Megatron's schedule: ``pp - 1`` micro-batch times of warm-up and
-    drain beside the group's."""
+    drain beside the group's. Each micro-batch also costs ``kernels.REPLAY_OVERHEAD_S`` (host
+    work: launches, the autograd graph), not scaled by the GPU."""
     micro_batches = -(-run.num_generations // run.micro_batch_size)
     # a family whose CP ranks each replay the whole response gains nothing from CP here
     replay_layout = layout if profile.replay_splits_over_cp else replace(layout, cp=1)
@@ -139,7 +140,7 @@ def replay_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: Gp
     one = work.seconds(gpu, replay_layout, backward=True, pipeline_efficiency=K.PIPELINE_REPLAY_EFFICIENCY)
     if run.recompute:  # every layer's forward once more in backward
         one += work.seconds(gpu, replay_layout, pipeline_efficiency=K.PIPELINE_REPLAY_EFFICIENCY)
-    return one * (micro_batches + layout.pp - 1)
+    return (one + K.REPLAY_OVERHEAD_S) * (micro_batches + layout.pp - 1)
 
 
 def sweep_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: GpuSpec) -> float:
@@ -153,7 +154,7 @@ def sweep_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: Gpu
     indexer = KernelWork(indexer=with_grad.indexer)  # forward only: top-k takes no gradient
     with_grad.indexer = 0.0
     return (with_grad.seconds(gpu, serial, backward=True, attention_bwd_tflops=K.SWEEP_ATTENTION_BWD_TFLOPS)
-            + indexer.seconds(gpu, serial) + run.num_chunks * K.CHUNK_OVERHEAD_S)
+            + indexer.seconds(gpu, serial) + run.num_chunks * K.SWEEP_CHUNK_OVERHEAD_S)
 
 
 def decode_seconds(profile: ModelProfile, layout: Layout, run: RunShape, gpu: GpuSpec, state_bytes: float) -> float:
