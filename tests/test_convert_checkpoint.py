@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -118,9 +119,7 @@ def _cli(*args) -> subprocess.CompletedProcess:
 
 
 def _copy_hf(src: Path, dst: Path) -> Path:
-    dst.mkdir()
-    for file in src.iterdir():
-        (dst / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(src, dst)  # (a converted checkpoint keeps its HF assets in a subfolder)
     return dst
 
 

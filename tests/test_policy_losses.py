@@ -53,7 +53,8 @@ def _run(loss_fn, new, splits, entropy=None):
 
 def _args(**overrides):
     args = dict(loss_type="grpo", loss_aggregation=None, advantage_normalization=None, clip_eps_low=0.2,
-                clip_eps_high=0.28, kl_coef=0.0, entropy_coef=0.0, max_response_length=4, data_parallel_size=1)
+                clip_eps_high=0.28, kl_coef=0.0, entropy_coef=0.0, max_response_length=4, data_parallel_size=1,
+                rollout_correction="none", rollout_correction_cap=2.0)
     args.update(overrides)
     return SimpleNamespace(**args)
 

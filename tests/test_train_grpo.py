@@ -2,6 +2,7 @@
 on-policy consistency, exact resume, atomic saves, and bad input at the command line."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -63,6 +64,8 @@ def test_internal_rollouts_train_log_to_wandb_and_stay_on_policy(tmp_path):
     for row in history:  # old log-probs are scored exactly as the replay computes them
         assert row["ratio/max"] == 1.0 and row["kl/approx"] == 0.0
         assert row["optim/grad_norm"] > 0
+        # the decoder's own log-probs against replay's: a gap of kernel rounding only
+        assert 0 <= row["rollout/logprob_diff_max"] < 1e-4 and row["rollout/weight_mean"] == 1.0
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert all(torch.isfinite(p).all() for p in params.values())
     # the trained weights leave as an HF checkpoint (tools/convert_checkpoint.py reads trainer saves)
@@ -498,8 +501,12 @@ def spawned(tmp_path_factory):
     layout = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
     # GLM-5 with its experts over the two data-parallel ranks: prompts of 25 and 32 tokens are 3
     # and 4 capture chunks of 10 (expert_lockstep)
-    ep_dp = one_step + ["--model", "glm-5-debug", "--pretrained-checkpoint", str(_glm_checkpoint(tmp)),
-                        "--global-batch-size", "2", *external, "--prompt-chunk-size", "10"]
+    glm = ["--model", "glm-5-debug", "--pretrained-checkpoint", str(_glm_checkpoint(tmp))]
+    ep_dp = one_step + glm + ["--global-batch-size", "2", *external, "--prompt-chunk-size", "10"]
+    # GLM-5 sampling its responses from the CP-sharded latents and indexer keys, two steps (the
+    # second decodes from the updated weights; at this learning rate its rewards still differ):
+    # shards 8|8, 8|8, 3|2 of the 37-token prompt
+    glm_cp = one_step + glm + ["--global-batch-size", "1", *internal, "--train-iters", "2", "--lr", "1e-3"]
     spawns = [
         (2, {**dp, **{name: argv + ["--context-parallel-size", "2"] for name, argv in cp.items()},
              "pp2": pp + ["--pipeline-model-parallel-size", "2", "--train-iters", "3", "--save", str(tmp / "pp"),
@@ -507,7 +514,8 @@ def spawned(tmp_path_factory):
              "pp2-vpp2": pp + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
                                "--train-iters", "3", "--save", str(tmp / "vpp"), "--save-interval", "2"],
              "pp2-exact": pp + ["--pipeline-model-parallel-size", "2", *pp_exact],
-             "ep-dp": ep_dp + ["--expert-model-parallel-size", "2"]}),
+             "ep-dp": ep_dp + ["--expert-model-parallel-size", "2"],
+             "glm-cp-internal": glm_cp + ["--context-parallel-size", "2"]}),
         (4, {"tp-cp-save": tp_cp + layout + ["--train-iters", "2", "--save", str(tmp / "tp-cp")],
              "tp-cp-resumed": tp_cp + layout + ["--train-iters", "3", "--load", str(tmp / "tp-cp"), "--no-save"]}),
         (1, {**{f"{name}-single": argv for name, argv in {**dp, **cp}.items()},
@@ -515,7 +523,8 @@ def spawned(tmp_path_factory):
              "pp-at-1": pp + ["--train-iters", "3", "--load", str(tmp / "pp" / "iter_0000002"), "--no-save"],
              "vpp-at-1": pp + ["--train-iters", "3", "--load", str(tmp / "vpp" / "iter_0000002"), "--no-save"],
              "pp-exact-at-1": pp + pp_exact,
-             "ep-dp-single": ep_dp}),
+             "ep-dp-single": ep_dp,
+             "glm-cp-internal-single": glm_cp}),
     ]
     out = {}
     for world, runs in spawns:  # each run logs into a folder of its own (a fresh run refuses another's)
@@ -610,6 +619,26 @@ def test_context_parallel_internal_rollouts_step_equals_one_process(spawned):
                 continue
             assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
     assert single["metrics"]["optim/grad_norm"] > 0
+    for name, value in pair[0]["params"].items():
+        assert (value == pair[1]["params"][name]).all(), name
+
+
+def test_glm5_context_parallel_internal_rollouts_steps_equal_one_process(spawned):
+    """GLM-5 decoding its rollouts from the CP-sharded prompt state (MLA latents, DSA indexer
+    keys), two steps at CP=2 vs CP=1 from the same converted checkpoint: the second step's
+    rewards, finite loss and gradient norm equal CP=1's, and both CP ranks end with the same
+    parameters."""
+    runs, _ = spawned
+    (single,), pair = runs["glm-cp-internal-single"], runs["glm-cp-internal"]
+    assert single["metrics"]["optim/grad_norm"] > 0 and math.isfinite(single["metrics"]["loss/total"])
+    for key in ("reward/mean", "loss/total", "optim/grad_norm", "tokens/response", "prompt/state_bytes"):
+        a = single["metrics"][key]
+        for run in pair:
+            b = run["metrics"][key]
+            if key == "prompt/state_bytes":
+                assert b < a  # each CP rank keeps only its shard of the latents and indexer keys
+                continue
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
     for name, value in pair[0]["params"].items():
         assert (value == pair[1]["params"][name]).all(), name
 

@@ -10,6 +10,11 @@ mcore-to-hf reads a Megatron checkpoint folder or save directory
 (``latest_checkpointed_iteration.txt``), saved under any layout, and writes safetensors shards,
 the index and ``config.json`` that ``transformers`` loads with ``from_pretrained``.
 
+Both directions keep the tokenizer files and ``generation_config.json``: hf-to-mcore stores the
+HF folder's in the checkpoint (``hf_assets/``), the trainer's saves carry them on, and
+mcore-to-hf writes them beside the weights (``--tokenizer-model`` gives another tokenizer), so
+the output is a folder vLLM or SGLang serve.
+
 Output goes to a temporary folder renamed into place on success; a failure leaves nothing.
 
 Examples:
@@ -54,6 +59,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     group.add_argument("--model", default=None,
                        help="HF config (preset, folder or config.json) when the checkpoint has "
                             "no hf_config.json")
+    group.add_argument("--tokenizer-model", default=None, metavar="FOLDER",
+                       help="an HF tokenizer folder whose files the output gets (default: the "
+                            "tokenizer the checkpoint keeps, if any)")
     group.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard")
     group = parser.add_argument_group("logging")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -67,6 +75,14 @@ def validate_args(args) -> argparse.Namespace:
         raise ValueError(f"--max-shard-size {args.max_shard_size!r} must be positive")
     if args.model is not None and args.direction != "mcore-to-hf":
         raise ValueError("--model is only for mcore-to-hf (hf-to-mcore reads config.json)")
+    if args.tokenizer_model is not None:
+        from megatron_longstraw.checkpointing.hf_assets import tokenizer_assets
+
+        if args.direction != "mcore-to-hf":
+            raise ValueError("--tokenizer-model is only for mcore-to-hf (hf-to-mcore keeps the --load folder's)")
+        if not tokenizer_assets(args.tokenizer_model):
+            raise ValueError(f"--tokenizer-model {args.tokenizer_model}: no tokenizer files there "
+                             "(tokenizer.json, tokenizer_config.json, ...)")
     if Path(args.load).absolute() == Path(args.save).absolute():
         raise ValueError("--save must differ from --load")
     return args
@@ -103,6 +119,7 @@ def main(argv=None) -> int:
                                              progress=not args.no_progress)
         else:
             summary = mcore_to_hf_checkpoint(args.load, args.save, model=args.model,
+                                             tokenizer_model=args.tokenizer_model,
                                              max_shard_bytes=args.max_shard_bytes,
                                              overwrite=args.overwrite,
                                              progress=not args.no_progress)

@@ -11,6 +11,9 @@ TP/PP/EP it was saved with), converted alone with ``mcore_to_hf(checkpoint_layou
 streamed into safetensors shards of bounded size, with ``model.safetensors.index.json`` and
 ``config.json``.
 
+Both keep the tokenizer files and ``generation_config.json`` (``hf_assets.py``): hf-to-mcore
+stores the source folder's in the checkpoint, mcore-to-hf writes them beside the weights.
+
 Peak memory is about one group's HF tensors plus the Megatron tensors made from them (at most
 twice the largest tensor of either layout) plus a fixed overhead (Python, torch, the meta
 model); see ``docs/convert_memory.md``.
@@ -27,6 +30,15 @@ from tqdm import tqdm
 
 from megatron_longstraw.checkpointing import dist_io
 from megatron_longstraw.checkpointing.atomic_output import atomic_output
+from megatron_longstraw.checkpointing.hf_assets import (
+    ASSETS_DIR,
+    TOKENIZER_FILES,
+    checkpoint_assets,
+    copy_assets,
+    find_assets,
+    merge_assets,
+    tokenizer_assets,
+)
 from megatron_longstraw.checkpointing.hf_folder import INDEX_NAME, SINGLE_NAME, HFFolder
 from megatron_longstraw.checkpointing.layout import model_layout
 from megatron_longstraw.checkpointing.model_checkpoint import (
@@ -176,8 +188,9 @@ def hf_to_mcore_checkpoint(load: str | Path, save: str | Path, *, overwrite: boo
         with atomic_output(save, overwrite) as folder:
             dist_io.write_dist_checkpoint(folder, items, resolve)
             write_hf_config(folder, source.config)
+            kept = copy_assets(find_assets(load), folder / ASSETS_DIR)  # tokenizer, generation config
         bar.close()
-    return dict(groups=len(plan), chunks=len(items), dropped=len(dropped), bytes=total)
+    return dict(groups=len(plan), chunks=len(items), dropped=len(dropped), bytes=total, assets=len(kept))
 
 
 def _hf_output_config(hf: dict) -> dict:
@@ -192,12 +205,18 @@ def _hf_output_config(hf: dict) -> dict:
 
 
 def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | None = None,
-                           max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-                           progress: bool = True) -> dict:
-    """Convert a Megatron checkpoint (any layout) into an HF safetensors folder at ``save``."""
+                           tokenizer_model: str | Path | None = None, max_shard_bytes: int = 5 * 2**30,
+                           overwrite: bool = False, progress: bool = True) -> dict:
+    """Convert a Megatron checkpoint (any layout) into an HF safetensors folder at ``save``, with
+    the tokenizer and generation config the checkpoint keeps (``hf_assets``); the tokenizer files
+    of ``tokenizer_model`` (a folder) replace the checkpoint's."""
     from megatron_longstraw.models.presets import resolve_hf_config
 
     folder = resolve_checkpoint_dir(load)
+    assets = merge_assets(checkpoint_assets(folder), tokenizer_assets(tokenizer_model))
+    if not any(name in assets for name in TOKENIZER_FILES):
+        _log(f"--load {folder}: the checkpoint keeps no tokenizer files: the exported folder has none "
+             "(pass --tokenizer-model FOLDER for a folder that serves)")
     hf = resolve_hf_config(model) if model else read_hf_config(folder)
     family = family_for(hf.get("model_type"))
     metadata = dist_io.read_metadata(folder)
@@ -277,5 +296,6 @@ def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | N
                 (out / INDEX_NAME).write_text(json.dumps(
                     {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
             (out / "config.json").write_text(json.dumps(_hf_output_config(hf), indent=2) + "\n")
+            copy_assets(assets, out)
         bar.close()
-    return dict(tensors=count, shards=len(shards), bytes=sum(sizes.values()))
+    return dict(tensors=count, shards=len(shards), bytes=sum(sizes.values()), assets=len(assets))

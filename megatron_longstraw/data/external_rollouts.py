@@ -10,10 +10,15 @@ A JSONL file, one line per prompt group, each a JSON object with
   the sampler stopped on it;
 * optional ``"rewards"``: ``--num-generations`` finite numbers; when absent the reward function
   scores the responses (``RolloutGroup.score``);
+* optional ``"logprobs"``: the sampler's log-prob of every response token, one list per response
+  of its length (as vLLM and SGLang return them), for the rollout correction
+  (``--rollout-correction``); only with token-id responses, the sampler's own tokens (a text is
+  tokenized again here, and its tokens need not be the ones sampled);
 * optional ``"answer"`` (text or token ids) and ``"metadata"`` (an object).
 
 Every error (bad JSON, unknown or missing key, wrong type, wrong G, empty response, id outside
-the vocabulary, non-finite reward, too-long prompt or response) is a ``ValueError`` starting
+the vocabulary, non-finite reward, log-probs of the wrong length or not finite, too-long prompt
+or response) is a ``ValueError`` starting
 with ``<file>:<line>:``. Line offsets only are kept in memory; ``validate``, order and the
 checkpointable position work as in ``prompts.PromptDataset``.
 """
@@ -22,18 +27,19 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_longstraw.data.jsonl import (check_answer, check_id_range, check_ids,
+from megatron_longstraw.data.jsonl import (check_answer, check_id_range, check_ids, check_logprobs,
                                            check_metadata, check_rewards, check_text)
 from megatron_longstraw.data.prompts import JsonlDataset, parse_prompt
 from megatron_longstraw.rewards.scoring import score_group
 
-ROLLOUT_EXTRA_KEYS = ("responses", "rewards")
+ROLLOUT_EXTRA_KEYS = ("responses", "rewards", "logprobs")
 
 
 @dataclass
 class RolloutGroup:
     """One prompt and its G responses (1-D LongTensors), with the given ``rewards_G`` or
-    ``None``; ``source`` is ``<file>:<line>``."""
+    ``None``, the sampler's per-token log-probs (one float32 1-D tensor per response) or ``None``;
+    ``source`` is ``<file>:<line>``."""
 
     prompt_ids_P: torch.Tensor
     responses: list[torch.Tensor]
@@ -41,6 +47,7 @@ class RolloutGroup:
     answer: str | list[int] | None
     metadata: dict | None
     source: str
+    sampler_logprobs: list[torch.Tensor] | None = None
 
     def score(self, reward_fn) -> torch.Tensor:
         """``rewards_G``: the file's rewards when it gave them, else ``reward_fn``'s."""
@@ -110,9 +117,15 @@ class ExternalRolloutDataset(JsonlDataset):
             raise ValueError(f"{where}: 'responses' has {len(responses)} entries, "
                              f"--num-generations is {self.num_generations}")
         rewards = obj.get("rewards")
+        parsed = [self._response(r, where, g) for g, r in enumerate(responses)]
+        logprobs = obj.get("logprobs")
+        if logprobs is not None and any(isinstance(r, str) for r in responses):
+            raise ValueError(f"{where}: 'logprobs' needs token-id responses (the sampler's own tokens): a text "
+                             "response is tokenized again here, and its tokens need not be the ones sampled")
         return RolloutGroup(
             prompt_ids_P=prompt_ids_P,
-            responses=[self._response(r, where, g) for g, r in enumerate(responses)],
+            responses=parsed,
+            sampler_logprobs=None if logprobs is None else check_logprobs(logprobs, where, parsed),
             rewards_G=None if rewards is None else check_rewards(rewards, where,
                                                                  self.num_generations),
             answer=check_answer(obj.get("answer"), where, self.vocab_size),

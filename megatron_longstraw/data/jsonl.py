@@ -124,3 +124,23 @@ def check_rewards(value, where: str, num_generations: int) -> torch.Tensor:
         if not math.isfinite(reward):
             raise ValueError(f"{where}: reward {g} is {reward}; rewards must be finite")
     return torch.tensor(value, dtype=torch.float32)
+
+
+def check_logprobs(value, where: str, responses: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The sampler's per-token log-probs, one list per response of its length, as float32 1-D
+    tensors: finite numbers, none above 0 (beyond rounding, 1e-3)."""
+    if not isinstance(value, list) or len(value) != len(responses):
+        got = f"{len(value)} entries" if isinstance(value, list) else type(value).__name__
+        raise ValueError(f"{where}: 'logprobs' must be a list of {len(responses)} lists (one per response), got {got}")
+    out = []
+    for g, (values, response_R) in enumerate(zip(value, responses)):
+        if not isinstance(values, list):
+            raise ValueError(f"{where}: 'logprobs[{g}]' must be a list of numbers, got {type(values).__name__}")
+        if len(values) != response_R.numel():
+            raise ValueError(f"{where}: 'logprobs[{g}]' has {len(values)} values, 'responses[{g}]' has "
+                             f"{response_R.numel()} tokens")
+        for t, x in enumerate(values):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x > 1e-3:
+                raise ValueError(f"{where}: 'logprobs[{g}][{t}]' is {x!r}; a log-prob must be a finite number <= 0")
+        out.append(torch.tensor(values, dtype=torch.float32))
+    return out

@@ -11,7 +11,8 @@ and gradient). A replay micro-batch holds whole responses (``longstraw/micro_bat
 
 The clip range comes from the shared ``--clip-eps-low``/``--clip-eps-high``, whose defaults are
 sized for token ratios; GSPO's sequence ratios want far smaller ones (the paper: 3e-4 / 4e-4).
-KL and entropy terms enter per response as the mean over its tokens. ``--loss-aggregation``
+KL and entropy terms enter per response as the mean over its tokens. The rollout correction
+weighs each response by its geometric-mean ratio (``grpo/rollout_correction.py``). ``--loss-aggregation``
 is ``sequence`` (the only one it takes).
 """
 
@@ -28,15 +29,16 @@ class GSPOLoss(PolicyLoss):
 
     name = "gspo"
     aggregations = ("sequence",)
-    per_sequence_metrics = ("policy_loss", "clip_frac_low", "clip_frac_high", "sequence_ratio_mean")
+    per_sequence_metrics = ("policy_loss", "clip_frac_low", "clip_frac_high", "sequence_ratio_mean",
+                            "correction_weight", "corrected")
     metric_names = {**PolicyLoss.metric_names, "sequence_ratio_mean": "ratio/sequence_mean",
                     "sequence_ratio_max": "ratio/sequence_max"}
 
     @classmethod
-    def for_group(cls, args, old_logprobs, advantages_G, *, ref_logprobs, groups_per_rank):
+    def for_group(cls, args, old_logprobs, advantages_G, *, ref_logprobs, groups_per_rank, sampler_logprobs=None):
         normalizer = float(len(old_logprobs)) * groups_per_rank  # this rank's responses of the step
         return cls(old_logprobs, advantages_G, normalizer=normalizer, ref_logprobs=ref_logprobs,
-                   **cls.shared_options(args))
+                   sampler_logprobs=sampler_logprobs, **cls.shared_options(args))
 
     @classmethod
     def finish_step(cls, metrics: dict, args) -> float:
@@ -49,6 +51,7 @@ class GSPOLoss(PolicyLoss):
         ratio_B = torch.exp(sequence_means(batch.logprobs_RB - batch.old_logprobs_RB, real_RB))
         surrogate_B, low_B, high_B = clip_objective(ratio_B, batch.advantages_B, self.clip_eps_low,
                                                     self.clip_eps_high)
+        surrogate_B = self.corrected_sequences(surrogate_B, batch)  # the rollout correction's weights
         per_sample_B = surrogate_B
         if self.kl_coef or self.entropy_coef:
             regularizer_RB = self.regularized(torch.zeros_like(batch.logprobs_RB), batch)

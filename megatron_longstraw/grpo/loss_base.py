@@ -27,6 +27,7 @@ import torch
 
 from megatron_longstraw.grpo.advantages import NORMALIZATIONS
 from megatron_longstraw.grpo.loss_terms import kl_k3, masked
+from megatron_longstraw.grpo.rollout_correction import check_correction, sequence_weights, token_weights
 
 
 def _check_coef(flag: str, value: float) -> None:
@@ -71,15 +72,21 @@ class ReplayBatch:
     """k3 of KL(pi || ref) per token (autograd), with reference log-probs only"""
     entropy_RB: Optional[torch.Tensor]
     """the policy's entropy per token, when the replay provides it"""
+    sampler_logprobs_RB: Optional[torch.Tensor] = None
+    """log-probs of the sampler that drew the responses (detached; the old ones on padding), when
+    the rollouts carry them"""
 
 
 class PolicyLoss:
     """Base of the policy losses: ``loss_fn(logprobs_RB, mask_RB, indices, entropy_RB=None)`` for
     one prompt group's replay, plus the start-up and end-of-step hooks (module doc).
 
-    ``old_logprobs``/``ref_logprobs`` hold one 1-D tensor per group sample (its response length);
-    ``advantages_G`` one advantage per sample. ``kl_coef`` weighs k3(pi, ref) and ``entropy_coef``
-    the entropy bonus, per token (``regularized``). Subclasses implement ``loss`` and the hooks.
+    ``old_logprobs``/``ref_logprobs``/``sampler_logprobs`` hold one 1-D tensor per group sample
+    (its response length); ``advantages_G`` one advantage per sample. ``kl_coef`` weighs k3(pi,
+    ref) and ``entropy_coef`` the entropy bonus, per token (``regularized``); with the sampler's
+    log-probs the policy term takes ``rollout_correction``'s weights (``corrected_tokens`` /
+    ``corrected_sequences``, ``grpo/rollout_correction.py``) and the sampler-trainer gap is logged.
+    Subclasses implement ``loss`` and the hooks.
     """
 
     name: ClassVar[str] = ""
@@ -92,7 +99,10 @@ class PolicyLoss:
     metric_names: ClassVar[dict[str, str]] = {
         "policy_loss": "loss/policy", "clip_frac_low": "clip/frac_low", "clip_frac_high": "clip/frac_high",
         "approx_kl": "kl/approx", "ref_kl": "kl/reference", "entropy": "entropy/mean",
-        "ratio_mean": "ratio/mean", "ratio_max": "ratio/max"}
+        "ratio_mean": "ratio/mean", "ratio_max": "ratio/max",
+        "sampler_logprob_diff": "rollout/logprob_diff_mean", "sampler_logprob_diff_max": "rollout/logprob_diff_max",
+        "correction_weight": "rollout/weight_mean", "correction_weight_min": "rollout/weight_min",
+        "correction_weight_max": "rollout/weight_max", "corrected": "rollout/corrected_frac"}
     # metrics() names averaged over sequences rather than tokens
     per_sequence_metrics: ClassVar[tuple[str, ...]] = ()
     # replay hands every call the per-token entropies (``model_steps.loss_of``): they are logged
@@ -102,8 +112,10 @@ class PolicyLoss:
     def __init__(self, old_logprobs: Sequence[torch.Tensor], advantages_G: torch.Tensor, *,
                  normalizer: float, ref_logprobs: Optional[Sequence[torch.Tensor]] = None,
                  clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, kl_coef: float = 0.0,
-                 entropy_coef: float = 0.0):
+                 entropy_coef: float = 0.0, sampler_logprobs: Optional[Sequence[torch.Tensor]] = None,
+                 rollout_correction: str = "none", rollout_correction_cap: float = 2.0):
         check_shared_flags(clip_eps_low, clip_eps_high, kl_coef, entropy_coef)
+        check_correction(rollout_correction, rollout_correction_cap)
         if not normalizer > 0:
             raise ValueError(f"loss normalizer must be > 0, got {normalizer}")
         if advantages_G.dim() != 1 or advantages_G.numel() != len(old_logprobs):
@@ -115,6 +127,12 @@ class PolicyLoss:
             raise ValueError("reference log-probs must match the old log-probs sample by sample")
         if kl_coef > 0 and ref_logprobs is None:
             raise ValueError(f"--kl-coef {kl_coef} needs reference log-probs (ref_logprobs)")
+        if sampler_logprobs is not None and [t.shape for t in sampler_logprobs] != [t.shape for t in old_logprobs]:
+            raise ValueError("sampler log-probs must match the old log-probs sample by sample")
+        if rollout_correction != "none" and sampler_logprobs is None:
+            raise ValueError(f"--rollout-correction {rollout_correction} needs the sampler's log-probs")
+        self.sampler_logprobs = None if sampler_logprobs is None else list(sampler_logprobs)
+        self.rollout_correction, self.rollout_correction_cap = rollout_correction, rollout_correction_cap
         self.old_logprobs, self.ref_logprobs = list(old_logprobs), ref_logprobs
         self.advantages_G = advantages_G.detach()
         self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
@@ -131,12 +149,15 @@ class PolicyLoss:
         _resolve_choice(args, "loss_aggregation", cls.aggregations, cls.name)
         _resolve_choice(args, "advantage_normalization", cls.advantage_normalizations, cls.name)
         check_shared_flags(args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef)
+        check_correction(args.rollout_correction, args.rollout_correction_cap)
 
     @classmethod
     def for_group(cls, args, old_logprobs: Sequence[torch.Tensor], advantages_G: torch.Tensor, *,
-                  ref_logprobs: Optional[Sequence[torch.Tensor]], groups_per_rank: int) -> "PolicyLoss":
+                  ref_logprobs: Optional[Sequence[torch.Tensor]], groups_per_rank: int,
+                  sampler_logprobs: Optional[Sequence[torch.Tensor]] = None) -> "PolicyLoss":
         """The loss function of one prompt group of ``groups_per_rank`` on this rank's share of
-        the step, from the flags and what the group provides."""
+        the step, from the flags and what the group provides (the sampler's log-probs when the
+        rollouts carry them)."""
         raise NotImplementedError
 
     @classmethod
@@ -149,7 +170,8 @@ class PolicyLoss:
     def shared_options(cls, args) -> dict:
         """Constructor keywords every loss takes from the flags."""
         return dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef,
-                    entropy_coef=args.entropy_coef)
+                    entropy_coef=args.entropy_coef, rollout_correction=args.rollout_correction,
+                    rollout_correction_cap=args.rollout_correction_cap)
 
     # ---- the loss -----------------------------------------------------------------------------
 
@@ -178,14 +200,46 @@ class PolicyLoss:
         # padding: new := old, so ratio 1 and k3 0 there, with no inf/NaN to reach the gradient
         logprobs_RB = torch.where(real_RB, logprobs_RB, old_RB)
         advantages_B = self.advantages_G.to(logprobs_RB.device)[list(indices)].to(logprobs_RB.dtype)
-        ref_kl_RB = None
+        ref_kl_RB = sampler_RB = None
         if self.ref_logprobs is not None:
             ref_kl_RB = kl_k3(logprobs_RB, self._pad(self.ref_logprobs, indices, lengths, logprobs_RB))
-        batch = ReplayBatch(logprobs_RB, old_RB, real_RB, advantages_B, ref_kl_RB, entropy_RB)
+        if self.sampler_logprobs is not None:
+            sampler_RB = torch.where(real_RB, self._pad(self.sampler_logprobs, indices, lengths, logprobs_RB), old_RB)
+        batch = ReplayBatch(logprobs_RB, old_RB, real_RB, advantages_B, ref_kl_RB, entropy_RB, sampler_RB)
         loss = self.loss(batch)
         with torch.no_grad():
             self._accumulate_shared(batch)
         return loss
+
+    def corrected_tokens(self, policy_RB: torch.Tensor, batch: ReplayBatch) -> torch.Tensor:
+        """The per-token policy term with the rollout correction's weights (unchanged without the
+        sampler's log-probs); logs the weights and the fraction corrected."""
+        if batch.sampler_logprobs_RB is None:
+            return policy_RB
+        weight_RB, corrected_RB = token_weights(batch.old_logprobs_RB, batch.sampler_logprobs_RB,
+                                                self.rollout_correction, self.rollout_correction_cap)
+        self._correction_metrics(weight_RB, corrected_RB, batch.real_RB)
+        return policy_RB * weight_RB.to(policy_RB.dtype)
+
+    def corrected_sequences(self, policy_B: torch.Tensor, batch: ReplayBatch) -> torch.Tensor:
+        """The per-response policy term with the rollout correction's sequence weights (module
+        ``rollout_correction``); losses listing ``correction_weight`` and ``corrected`` in
+        ``per_sequence_metrics`` log them per response."""
+        if batch.sampler_logprobs_RB is None:
+            return policy_B
+        weight_B, corrected_B = sequence_weights(batch.old_logprobs_RB, batch.sampler_logprobs_RB, batch.real_RB,
+                                                 self.rollout_correction, self.rollout_correction_cap)
+        self.add_sequence_metric("correction_weight", weight_B)
+        self.add_sequence_metric("corrected", corrected_B.float())
+        self.add_min_metric("correction_weight_min", weight_B.min())
+        self.add_max_metric("correction_weight_max", weight_B.max())
+        return policy_B * weight_B.to(policy_B.dtype)
+
+    def _correction_metrics(self, weight_RB: torch.Tensor, corrected_RB: torch.Tensor, real_RB: torch.Tensor) -> None:
+        self.add_token_metric("correction_weight", weight_RB, real_RB)
+        self.add_token_metric("corrected", corrected_RB.float(), real_RB)
+        self.add_min_metric("correction_weight_min", torch.where(real_RB, weight_RB, float("inf")).min())
+        self.add_max_metric("correction_weight_max", torch.where(real_RB, weight_RB, float("-inf")).max())
 
     def regularized(self, per_token_RB: torch.Tensor, batch: ReplayBatch) -> torch.Tensor:
         """``per_token_RB`` + ``kl_coef`` * k3(pi, ref) - ``entropy_coef`` * entropy, per token."""
@@ -216,6 +270,12 @@ class PolicyLoss:
         value = value.detach().float()
         self._sums[name] = torch.maximum(self._sums.get(name, value), value)
 
+    def add_min_metric(self, name: str, value: torch.Tensor) -> None:
+        """Keep the smallest ``value`` seen as metric ``name`` (ending in ``_min``)."""
+        assert name.endswith("_min"), name
+        value = value.detach().float()
+        self._sums[name] = torch.minimum(self._sums.get(name, value), value)
+
     def _accumulate_shared(self, batch: ReplayBatch) -> None:
         real_RB = batch.real_RB
         log_ratio_RB = batch.logprobs_RB.detach() - batch.old_logprobs_RB
@@ -230,13 +290,20 @@ class PolicyLoss:
         if batch.entropy_RB is not None:
             self.add_token_metric("entropy_tokens", real_RB, real_RB)
             self.add_token_metric("entropy", batch.entropy_RB, real_RB)
+        if batch.sampler_logprobs_RB is not None:  # the sampler-trainer gap (0 up to kernels when on-policy)
+            gap_RB = (batch.old_logprobs_RB - batch.sampler_logprobs_RB).abs()
+            self.add_token_metric("sampler_logprob_diff", gap_RB, real_RB)
+            self.add_max_metric("sampler_logprob_diff_max", torch.where(real_RB, gap_RB, 0.0).max())
 
     def metrics(self) -> dict[str, float]:
         """Means over all calls so far, per real token unless listed in ``per_sequence_metrics``
         (per sequence): ``policy_loss`` (the policy term only), ``clip_frac_low``/``_high``,
+        ``sampler_logprob_diff`` (|old - sampler| per token), ``correction_weight`` and ``corrected``
+        (the rollout correction's weights and the fraction truncated or masked; with the sampler's
+        log-probs),
         ``approx_kl`` (k3 of old vs new policy), ``ref_kl`` (k3 to the reference; with
         ``ref_logprobs`` only), ``entropy`` (when given), ``ratio_mean`` and the loss's own; the
-        ``*_max`` metrics (``ratio_max``) are maxima; plus ``tokens`` (the weight for combining
+        ``*_max`` metrics (``ratio_max``) are maxima, the ``*_min`` minima; plus ``tokens`` (the weight for combining
         groups). Empty before a call."""
         if not self._sums:
             return {}
@@ -245,7 +312,7 @@ class PolicyLoss:
         entropy_tokens = sums.pop("entropy_tokens", 0.0)
         out = {}
         for name, value in sums.items():
-            if name.endswith("_max"):
+            if name.endswith(("_max", "_min")):
                 out[name] = value
             elif name in self.per_sequence_metrics:
                 out[name] = value / sequences

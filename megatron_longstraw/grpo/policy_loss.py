@@ -88,13 +88,16 @@ class GRPOLoss(PolicyLoss):
     def __init__(self, old_logprobs: Sequence[torch.Tensor], advantages_G: torch.Tensor, *,
                  normalizer: float, ref_logprobs: Optional[Sequence[torch.Tensor]] = None,
                  clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, kl_coef: float = 0.0,
-                 entropy_coef: float = 0.0, aggregation: str = "token"):
+                 entropy_coef: float = 0.0, aggregation: str = "token",
+                 sampler_logprobs: Optional[Sequence[torch.Tensor]] = None, rollout_correction: str = "none",
+                 rollout_correction_cap: float = 2.0):
         if aggregation not in self.aggregations:
             raise ValueError(f"--loss-aggregation must be one of {', '.join(self.aggregations)}, "
                              f"got {aggregation!r}")
         super().__init__(old_logprobs, advantages_G, normalizer=normalizer, ref_logprobs=ref_logprobs,
                          clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
-                         entropy_coef=entropy_coef)
+                         entropy_coef=entropy_coef, sampler_logprobs=sampler_logprobs,
+                         rollout_correction=rollout_correction, rollout_correction_cap=rollout_correction_cap)
         self.aggregation = aggregation
 
     @classmethod
@@ -106,10 +109,10 @@ class GRPOLoss(PolicyLoss):
         return float(num_responses) * groups_per_rank
 
     @classmethod
-    def for_group(cls, args, old_logprobs, advantages_G, *, ref_logprobs, groups_per_rank):
+    def for_group(cls, args, old_logprobs, advantages_G, *, ref_logprobs, groups_per_rank, sampler_logprobs=None):
         normalizer = cls.group_normalizer(args, len(old_logprobs), groups_per_rank)
         return cls(old_logprobs, advantages_G, normalizer=normalizer, ref_logprobs=ref_logprobs,
-                   aggregation=args.loss_aggregation, **cls.shared_options(args))
+                   aggregation=args.loss_aggregation, sampler_logprobs=sampler_logprobs, **cls.shared_options(args))
 
     @classmethod
     def finish_step(cls, metrics: dict, args) -> float:
@@ -130,6 +133,7 @@ class GRPOLoss(PolicyLoss):
 
     def loss(self, batch: ReplayBatch) -> torch.Tensor:
         policy_RB, low_RB, high_RB = self.policy_terms(batch)
+        policy_RB = self.corrected_tokens(policy_RB, batch)  # the rollout correction's weights
         loss = aggregated_sum(self.regularized(policy_RB, batch), batch.real_RB, self.aggregation) / self.normalizer
         self.add_token_metric("policy_loss", policy_RB, batch.real_RB)
         self.add_token_metric("clip_frac_low", low_RB, batch.real_RB)

@@ -158,6 +158,13 @@ def _rollout(p):
                         "--rollout-path")
     g.add_argument("--rollout-path", default=None,
                    help="JSONL of prompts with G responses (--rollout-source jsonl; default: unset)")
+    g.add_argument("--rollout-correction", default="none", choices=["none", "tis", "mis"],
+                   help="importance correction between the sampler's log-probs and the trainer's: tis weighs "
+                        "each token's policy term by min(pi_old / pi_sampler, cap), mis leaves out tokens whose "
+                        "ratio is outside [1/cap, cap]; needs 'logprobs' in every --rollout-path record "
+                        "(internal rollouts record their own)")
+    g.add_argument("--rollout-correction-cap", type=float, default=2.0,
+                   help="the cap C of --rollout-correction (a number >= 1)")
 
 
 def _reward(p):

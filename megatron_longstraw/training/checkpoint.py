@@ -2,7 +2,8 @@
 
 One checkpoint holds the model, the optimizer (Megatron's sharded optimizer state, so a resume
 may use another TP/EP layout), the scheduler, every rank's RNG states, the iteration, the data
-position and the reference model when ``--kl-coef`` > 0, plus ``hf_config.json``. The layout is
+position and the reference model when ``--kl-coef`` > 0, plus ``hf_config.json`` and the
+tokenizer and generation config (``hf_assets/``, what ``mcore-to-hf`` exports beside the weights). The layout is
 Megatron's: ``<save>/iter_XXXXXXX/`` and ``<save>/latest_checkpointed_iteration.txt``.
 
 Saves are atomic: ranks write into ``iter_XXXXXXX.tmp``; only when every rank has finished does
@@ -24,6 +25,13 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_longstraw.checkpointing import dist_io
+from megatron_longstraw.checkpointing.hf_assets import (
+    ASSETS_DIR,
+    checkpoint_assets,
+    copy_assets,
+    merge_assets,
+    tokenizer_assets,
+)
 from megatron_longstraw.checkpointing.model_checkpoint import TRACKER_NAME, resolve_checkpoint_dir, write_hf_config
 
 
@@ -62,10 +70,23 @@ def _sharded_state(model, optimizer, reference, rng, is_loading: bool = False) -
     return state
 
 
+def run_assets(args) -> dict:
+    """The tokenizer and generation-config files a run's saves carry (``hf_assets``): those of
+    the checkpoint it resumes or starts from, the tokenizer files of its ``--tokenizer-model``
+    (what it tokenized with) replacing theirs."""
+    kept = {}
+    for flag, path in (("--pretrained-checkpoint", args.pretrained_checkpoint), ("--load", args.load)):
+        if path:  # both already checked to be checkpoints; the resumed one's files win
+            kept = merge_assets(kept, checkpoint_assets(resolve_checkpoint_dir(path, flag=flag)))
+    tokenizer = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
+    return merge_assets(kept, tokenizer_assets(tokenizer))
+
+
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, trainer_state: dict,
-                    hf_config: dict, reference=None) -> Path:
-    """Save atomically as ``<save_dir>/iter_XXXXXXX``; every rank calls it. Rank 0 prints a line
-    with the folder and the seconds the save took."""
+                    hf_config: dict, reference=None, assets: dict | None = None) -> Path:
+    """Save atomically as ``<save_dir>/iter_XXXXXXX`` with ``assets`` (``run_assets``) in its
+    ``hf_assets/``; every rank calls it. Rank 0 prints a line with the folder and the seconds the
+    save took."""
     start = time.perf_counter()
     save_dir = Path(save_dir)
     final = save_dir / f"iter_{iteration:07d}"
@@ -86,6 +107,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
     torch.distributed.barrier()
     if rank0:
         write_hf_config(temporary, hf_config)
+        copy_assets(assets or {}, temporary / ASSETS_DIR)
         if final.exists():
             old = save_dir / f"iter_{iteration:07d}.old"
             final.rename(old)

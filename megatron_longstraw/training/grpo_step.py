@@ -38,6 +38,7 @@ class PromptGroup:
     source: Optional[str] = None  # <file>:<line> or synthetic:<index>, named in errors
     responses: list = field(default_factory=list)
     rewards_G: Optional[torch.Tensor] = None
+    sampler_logprobs: Optional[list] = None  # the sampler's per-token log-probs, when known
 
 
 class PhaseClock:
@@ -104,6 +105,8 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
                     top_p=args.top_p, eos_id=eos_id, generator=generator,
                     progress=lambda p: bar.update(p.step - bar.n))
                 group.responses = [r.to(prompt_ids_1S.device) for r in rollouts.responses]
+                # the decoder's own log-probs (temperature 1: what replay scores): the gap is a health signal
+                group.sampler_logprobs = [lp.to(prompt_ids_1S.device) for lp in rollouts.logprobs]
         if group.rewards_G is None:
             with clock("reward"):
                 group.rewards_G = _same_on_tp_ranks(score_group(
@@ -119,9 +122,12 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
                     ref_logprobs = score_logprobs(reference, ref_state, prompt_ids_1S, group.responses, args)
                 finally:
                     ref_state.free()
+        if args.rollout_correction != "none" and group.sampler_logprobs is None:
+            raise ValueError(f"{group.source}: --rollout-correction {args.rollout_correction} needs the sampler's "
+                             "'logprobs' in every record, and this one has none")
         loss_fn = get_policy_loss(args.loss_type).for_group(
             args, old_logprobs, advantages_G.to(old_logprobs[0].device), ref_logprobs=ref_logprobs,
-            groups_per_rank=groups_per_rank)
+            groups_per_rank=groups_per_rank, sampler_logprobs=group.sampler_logprobs)
         with clock("replay"):
             if args.replay_mode == "longstraw":
                 losses = replay_responses(model, state, group.responses, loss_fn, args.replay_micro_batch_size,

@@ -11,7 +11,7 @@ from megatron_longstraw.checkpointing.model_checkpoint import resolve_checkpoint
 from megatron_longstraw.distributed import device
 from megatron_longstraw.grpo.registry import get_policy_loss
 from megatron_longstraw.training.checkpoint import (
-    checkpoint_iteration, load_checkpoint, save_checkpoint, set_aside_tracker)
+    checkpoint_iteration, load_checkpoint, run_assets, save_checkpoint, set_aside_tracker)
 from megatron_longstraw.training.grpo_step import PhaseClock, train_group
 from megatron_longstraw.training.metrics import reduce_step_metrics, throughput_metrics
 from megatron_longstraw.training.optimizer import build_optimizer, build_scheduler, finish_gradients, wrap_ddp
@@ -40,6 +40,7 @@ def train(args):
     source = build_prompt_source(args, hf, tokenizer)
     reward_fn = build_reward_fn(args, tokenizer, source)  # called once here: a broken reward fails now
     iteration, trainer_state = 0, {}
+    assets = run_assets(args)  # what every save carries for export (tokenizer, generation config)
     if args.load:
         load_start = time.perf_counter()
         restored = load_checkpoint(args.load, model, optimizer, scheduler, reference)
@@ -92,7 +93,7 @@ def train(args):
                                          (args.save_interval and iteration % args.save_interval == 0)):
                     save_start = time.perf_counter()
                     state = {"data": source.state_dict(), "wandb_run_id": logger.run_id}
-                    save_checkpoint(args.save, iteration, model, optimizer, scheduler, state, hf, reference)
+                    save_checkpoint(args.save, iteration, model, optimizer, scheduler, state, hf, reference, assets)
                     metrics["time/save_s"] = time.perf_counter() - save_start
             finally:  # the step's metrics, with its save's time; also when the save fails
                 logger.log(iteration, metrics)

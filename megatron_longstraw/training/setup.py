@@ -83,6 +83,8 @@ class PromptSource:
         if hasattr(item, "responses"):  # external rollouts
             group.responses = [r.to(device()) for r in item.responses]
             group.rewards_G = None if item.rewards_G is None else item.rewards_G.to(device())
+            group.sampler_logprobs = (None if item.sampler_logprobs is None
+                                      else [lp.to(device()) for lp in item.sampler_logprobs])
         return group
 
     def state_dict(self) -> dict:

@@ -1,0 +1,65 @@
+"""The files beside an HF model's weights that serving needs: its tokenizer and generation config.
+
+``hf-to-mcore`` keeps them in the Megatron checkpoint (``hf_assets/``), the trainer's saves carry
+them on (from the checkpoint it started from, the tokenizer from ``--tokenizer-model``), and
+``mcore-to-hf`` writes them back beside the weights, so the exported folder loads in
+``transformers`` with its tokenizer and is what vLLM or SGLang serve.
+"""
+
+import shutil
+from pathlib import Path
+
+ASSETS_DIR = "hf_assets"
+"""The folder inside a checkpoint (an ``iter_XXXXXXX`` folder or a converted checkpoint) that
+holds the files."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+                   "chat_template.json")
+"""What ``transformers`` tokenizers save (fast and slow, SentencePiece, BPE, chat templates)."""
+
+GENERATION_FILES = ("generation_config.json",)
+"""The sampling defaults (EOS ids, temperature, top-p) servers read."""
+
+
+def find_assets(folder: str | Path | None, names=TOKENIZER_FILES + GENERATION_FILES) -> dict[str, Path]:
+    """``name -> path`` of the files among ``names`` in ``folder`` (none for ``None`` or a file)."""
+    if folder is None or not Path(folder).is_dir():
+        return {}
+    return {name: Path(folder) / name for name in names if (Path(folder) / name).is_file()}
+
+
+def checkpoint_assets(folder: str | Path) -> dict[str, Path]:
+    """The files a checkpoint folder keeps (its ``hf_assets/``, or its save directory's)."""
+    for candidate in (Path(folder) / ASSETS_DIR, Path(folder).parent / ASSETS_DIR):
+        found = find_assets(candidate)
+        if found:
+            return found
+    return {}
+
+
+def tokenizer_assets(tokenizer_model: str | Path | None) -> dict[str, Path]:
+    """The tokenizer files of a ``--tokenizer-model`` folder (or of the folder of a
+    ``tokenizer.json`` path); none for a SentencePiece file or nothing."""
+    if tokenizer_model is None:
+        return {}
+    path = Path(tokenizer_model)
+    return find_assets(path if path.is_dir() else path.parent, TOKENIZER_FILES) if path.exists() else {}
+
+
+def merge_assets(*sources: dict[str, Path]) -> dict[str, Path]:
+    """One set from several: a later source's file replaces an earlier one of the same name."""
+    merged = {}
+    for source in sources:
+        merged.update(source)
+    return merged
+
+
+def copy_assets(assets: dict[str, Path], destination: str | Path) -> list[str]:
+    """Copy ``assets`` into ``destination`` (created if needed); the names copied."""
+    if not assets:
+        return []
+    Path(destination).mkdir(parents=True, exist_ok=True)
+    for name, path in sorted(assets.items()):
+        shutil.copyfile(path, Path(destination) / name)
+    return sorted(assets)
