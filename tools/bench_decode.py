@@ -1,0 +1,257 @@
+"""Decode speed against the memory-bandwidth bound, beside Hugging Face ``generate``.
+
+For each prompt length the prompt is captured once (``capture_prompt``), then G samples decode
+``--new-tokens`` tokens from that one state (``generate_from_state``) for each G of
+``--group-sizes``: the shared prompt pages are read once per step for all G samples, never
+copied. Per point: the steady per-step time (after ``--warmup-steps``), tokens/s over the G
+samples, the bytes a step must read (the weights, the prompt state, each sample's own decode
+state) and the fraction of the GPU's bandwidth that reaches (``--hbm-tbps``, the H200's 4.8 by
+default). Beside it, for each G of ``--hf-group-sizes``, transformers' ``generate`` on the same
+weights, prompt and G (the prompt given G times, as sampling G responses does there: it prefills
+G copies and keeps G caches): its wall time, per-step time after its prefill, and peak memory, or where it runs out
+of memory. With ``--temperature 0`` both decode greedily and the tool records whether their
+tokens agree.
+
+Example (one H200):
+    python tools/bench_decode.py --model qwen3.5-0.8b --max-position-embeddings 1100000 \\
+        --prompt-lengths 131072,524288,1048576 --group-sizes 1,8,32 --hf-group-sizes 8
+"""
+
+import argparse
+import shlex
+import sys
+import tempfile
+import time
+
+import torch
+
+from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
+from megatron_longstraw.longstraw.capture import capture_prompt
+from megatron_longstraw.models.builder import build_model
+from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.presets import resolve_hf_config
+from megatron_longstraw.models.registry import family_for
+from megatron_longstraw.rollout.generate import generate_from_state
+from bench_output import bench_stem, write_bench_files  # tools/, beside this script
+
+GiB = 2 ** 30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3.5-0.8b", help="preset name, HF folder or config.json")
+    p.add_argument("--prompt-lengths", default="131072", help="comma-separated prompt lengths")
+    p.add_argument("--group-sizes", default="1,8,32", help="comma-separated G (samples decoded together)")
+    p.add_argument("--hf-group-sizes", default="8",
+                   help="comma-separated G for transformers' generate beside it ('' skips it)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens each sample decodes (no EOS stop)")
+    p.add_argument("--warmup-steps", type=int, default=8, help="first steps left out of the per-step time")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0: greedy")
+    p.add_argument("--prompt-chunk-size", type=int, default=32768, help="prompt tokens per capture chunk")
+    p.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="override the preset's position budget (RoPE extrapolation, as Megatron's flag)")
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="the GPU's memory bandwidth, TB/s (H200: 4.8)")
+    p.add_argument("--output-dir", default="docs/bench", help="folder for the JSON and Markdown results")
+    p.add_argument("--tag", default="", help="suffix for the output file names")
+    args = p.parse_args(argv)
+    for flag in ("prompt_lengths", "group_sizes", "hf_group_sizes"):
+        setattr(args, flag, [int(x) for x in getattr(args, flag).split(",") if x])
+    if args.new_tokens <= args.warmup_steps:
+        raise ValueError(f"--new-tokens {args.new_tokens} must exceed --warmup-steps {args.warmup_steps}")
+    if args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if not args.prompt_lengths or any(n < 1 for n in args.prompt_lengths):
+        raise ValueError(f"--prompt-lengths: positive lengths needed, got {args.prompt_lengths}")
+    if any(g < 1 for g in args.group_sizes + args.hf_group_sizes):
+        raise ValueError("--group-sizes / --hf-group-sizes: G must be >= 1")
+    return args
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _reset_peak():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib():
+    return torch.cuda.max_memory_allocated() / GiB if torch.cuda.is_available() else None
+
+
+def step_seconds(elapsed: list[float], warmup: int) -> float:
+    """Mean seconds per step after ``warmup`` steps, from the elapsed time after each step."""
+    assert len(elapsed) > warmup, (len(elapsed), warmup)
+    start = elapsed[warmup - 1] if warmup else 0.0
+    return (elapsed[-1] - start) / (len(elapsed) - warmup)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def ours(model, state, group: int, args, generator) -> dict:
+    """Decode ``group`` samples from ``state``; per-step time, bytes read per step, bandwidth."""
+    elapsed = []
+    _reset_peak()
+    _sync()
+    rollouts = generate_from_state(model, state, group, args.new_tokens, temperature=args.temperature,
+                                   eos_id=None, generator=generator, progress=lambda p: elapsed.append(p.elapsed_s))
+    _sync()
+    per_step = step_seconds(elapsed, args.warmup_steps)
+    bytes_per_step = weight_bytes(model) + state.nbytes() + rollouts.decode_state_bytes
+    return dict(group=group, per_step_s=per_step, tokens_per_s=group / per_step, total_s=rollouts.seconds,
+                bytes_per_step=bytes_per_step, bandwidth_bound_s=bytes_per_step / (args.hbm_tbps * 1e12),
+                bandwidth_fraction=bytes_per_step / (args.hbm_tbps * 1e12) / per_step,
+                decode_state_gib=rollouts.decode_state_bytes / GiB, peak_gib=_peak_gib(),
+                tokens=[r.tolist() for r in rollouts.responses] if args.temperature == 0 else None)
+
+
+def hf_model_like(hf: dict, model, folder: str):
+    """transformers' model of ``hf`` holding ``model``'s weights: converted by the family's
+    ``mcore_to_hf``, written to ``folder`` and read back with ``from_pretrained`` (as an exported
+    checkpoint is), in the model's dtype and on its device, with SDPA attention."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from megatron_longstraw.testing.hf_reference import hf_model_class
+
+    family = family_for(hf["model_type"])
+    weights = {n: t.detach() for n, t in model.state_dict().items() if not n.endswith("_extra_state")}
+    tensors = family.mcore_to_hf(weights, hf, checkpoint_layout=True)
+    config = family.hf_output_config(hf)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(Path(folder) / "model.safetensors"))
+    (Path(folder) / "config.json").write_text(json.dumps(config))
+    model_cls, _ = hf_model_class(config["model_type"])  # torch kernels where there is no GPU
+    dtype = next(model.parameters()).dtype
+    try:
+        reference = model_cls.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    except (ValueError, ImportError):  # a model without SDPA keeps eager attention
+        reference = model_cls.from_pretrained(folder, dtype=dtype)
+    return reference.to(device()).eval()
+
+
+def theirs(reference, prompt_ids_P: torch.Tensor, group: int, args) -> dict:
+    """transformers' ``generate`` of ``group`` samples (prefill included), or its out-of-memory."""
+    options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
+                   do_sample=args.temperature > 0)
+    inputs = dict(input_ids=prompt_ids_P[None].expand(group, -1).contiguous(),  # G copies, as sampling G does
+                  attention_mask=torch.ones(group, prompt_ids_P.numel(), dtype=torch.long, device=prompt_ids_P.device))
+    if args.temperature > 0:
+        options.update(temperature=args.temperature, top_k=0, top_p=1.0)
+    out = dict(group=group)
+    _reset_peak()
+    try:
+        with torch.no_grad():
+            _sync()
+            start = time.perf_counter()
+            tokens = reference.generate(**inputs, **{**options, "max_new_tokens": 1, "min_new_tokens": 1})
+            _sync()
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            tokens = reference.generate(**inputs, **options)
+            _sync()
+            total = time.perf_counter() - start
+    except torch.OutOfMemoryError:
+        out.update(oom=True, peak_gib=_peak_gib())
+        return out
+    out.update(total_s=total, prefill_s=prefill, per_step_s=(total - prefill) / (args.new_tokens - 1),
+               peak_gib=_peak_gib(),
+               tokens=tokens[:, prompt_ids_P.numel():].tolist() if args.temperature == 0 else None)
+    return out
+
+
+def run(args) -> list[dict]:
+    hf = resolve_hf_config(args.model)
+    if args.max_position_embeddings:
+        hf["max_position_embeddings"] = args.max_position_embeddings
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model = build_model(hf, ModelOptions(params_dtype=dtype)).eval()
+    scratch = tempfile.TemporaryDirectory()
+    reference = hf_model_like(hf, model, scratch.name) if args.hf_group_sizes else None
+    generator = torch.Generator(device=device()).manual_seed(0)
+    results = []
+    for length in args.prompt_lengths:
+        prompt_ids_P = torch.randint(0, hf["vocab_size"], (length,), device=device(),
+                                     generator=torch.Generator(device=device()).manual_seed(length))
+        _sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            state = capture_prompt(model, prompt_ids_P[None], args.prompt_chunk_size)
+        _sync()
+        point = dict(prompt_length=length, capture_s=time.perf_counter() - start, state_gib=state.nbytes() / GiB,
+                     weights_gib=weight_bytes(model) / GiB, ours=[], hf=[])
+        try:
+            for group in args.group_sizes:
+                point["ours"].append(ours(model, state, group, args, generator))
+        finally:
+            state.free()
+        for group in args.hf_group_sizes:
+            point["hf"].append(theirs(reference, prompt_ids_P, group, args))
+        if args.temperature == 0:  # greedy: the same tokens, where both ran the same G
+            mine = {r["group"]: r["tokens"] for r in point["ours"]}
+            for r in point["hf"]:
+                if not r.get("oom") and r["group"] in mine:
+                    r["tokens_match"] = r["tokens"] == mine[r["group"]]
+        results.append(point)
+        print(_lines(results[-1:], args)[-1], flush=True)
+    scratch.cleanup()
+    return results
+
+
+def _lines(results, args) -> list[str]:
+    rows = []
+    for point in results:
+        for r in point["ours"]:
+            rows.append(f"| {point['prompt_length']:,} | {r['group']} | {r['per_step_s'] * 1e3:.2f} | {r['tokens_per_s']:,.0f} "
+                        f"| {r['bytes_per_step'] / GiB:.2f} | {r['bandwidth_bound_s'] * 1e3:.2f} "
+                        f"| {r['bandwidth_fraction']:.0%} | {'' if r['peak_gib'] is None else f'{r['peak_gib']:.1f}'} |")
+    return rows
+
+
+def write(results, args, command) -> None:
+    lines = [f"# Decode benchmark: {args.model}", "", f"Command: `{command}`", "",
+             f"{args.new_tokens} tokens per sample, per-step time after {args.warmup_steps} steps, "
+             f"bandwidth bound at {args.hbm_tbps} TB/s.", "",
+             "| prompt | G | ms / step | tokens/s | GiB read / step | bound ms / step | of bandwidth | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |", *_lines(results, args)]
+    hf_rows = [(p, r) for p in results for r in p["hf"]]
+    if hf_rows:
+        lines += ["", "transformers `generate`, same weights, prompt and G (prefill included in its wall time):", "",
+                  "| prompt | G | wall s | prefill s | ms / step after prefill | peak GiB | greedy tokens equal ours |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for p, r in hf_rows:
+            if r.get("oom"):
+                lines.append(f"| {p['prompt_length']:,} | {r['group']} | out of memory | | | "
+                             f"{'' if r['peak_gib'] is None else f'>{r['peak_gib']:.1f}'} | |")
+                continue
+            lines.append(f"| {p['prompt_length']:,} | {r['group']} | {r['total_s']:.2f} | {r['prefill_s']:.2f} "
+                         f"| {r['per_step_s'] * 1e3:.2f} | {'' if r['peak_gib'] is None else f'{r['peak_gib']:.1f}'} "
+                         f"| {r.get('tokens_match', '')} |")
+    write_bench_files(args.output_dir, bench_stem("decode", args.model, args.tag), dict(command=command, results=results),
+                      lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    init_distributed(ParallelSizes(), seed=1234)
+    try:
+        results = run(args)
+    finally:
+        destroy_distributed()
+    write(results, args, command)
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as err:
+        raise SystemExit(f"error: {err}")
