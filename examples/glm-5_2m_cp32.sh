@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GRPO on GLM-5 with 2,088,960-token prompts and G=8 on 32 GPUs (4 nodes of 8 H200): TP 1,
-# CP 32, EP 32. Under context parallelism GLM-5 captures and replays sharded, but does not decode:
-# its prompt groups come from a rollout JSONL (ROLLOUT_PATH; README: data formats): prompts with
-# G responses each, sampled from the same weights by an inference engine (vLLM, SGLang).
+# CP 32, EP 32. The prompt's MLA latents and DSA indexer keys are sharded over the CP ranks and
+# rollouts decode from the sharded state; with ROLLOUT_PATH the prompt groups come from a rollout
+# JSONL instead (README: data formats): prompts with G responses each, sampled by an inference
+# engine (vLLM, SGLang).
 #
-#   NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=node0 ROLLOUT_PATH=rollouts.jsonl \
+#   NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=node0 DATA_PATH=prompts.jsonl \
 #       TOKENIZER_MODEL=/path/to/GLM-5 PRETRAINED_CHECKPOINT=/path/to/mcore \
 #       bash examples/glm-5_2m_cp32.sh                               # on each node
 #   sbatch examples/slurm/glm-5_2m.sbatch                            # SLURM
@@ -13,13 +14,12 @@
 # Adam states) is predicted to need about 548 GiB per GPU on this layout, so the trainer refuses
 # it at start-up on 32 H200s; at this prompt the planner fits it on 256 H200s (128 do not)
 # (CP 128, PP 2, EP 128): python tools/plan_budget.py --model glm-5 --num-gpus 256 \
-#     --prompt-length 2088960 --use-distributed-optimizer --rollout-source jsonl (docs/planning.md).
+#     --prompt-length 2088960 --use-distributed-optimizer (docs/planning.md).
 # What it reads and writes: examples/args/recipe.sh. Extra arguments go to train_grpo.py. A
 # relaunch resumes from CHECKPOINT_PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/glm-5-2m}
-: "${ROLLOUT_PATH:?set ROLLOUT_PATH: GLM-5 under context parallelism trains on responses from a rollout JSONL}"
 NNODES=${NNODES:-${SLURM_NNODES:-4}}
 source examples/args/env.sh
 source examples/args/distributed.sh

@@ -58,12 +58,14 @@ def test_qwen_recipe_one_node_and_multi_node(tmp_path):
     assert args.tokenizer_type == "HuggingFaceTokenizer" and args.save == str(tmp_path / "ckpt")
 
 
-def test_glm_recipe_trains_on_rollouts_it_is_given(tmp_path):
-    """GLM-5 under CP 32 takes its prompt groups from ROLLOUT_PATH (it does not decode under CP):
-    without it the script stops with one line naming the variable; with it, four nodes."""
-    proc = subprocess.run(["bash", str(ROOT / "examples/glm-5_2m_cp32.sh")], capture_output=True, text=True,
-                          timeout=60, env={k: v for k, v in os.environ.items() if k != "ROLLOUT_PATH"})
-    assert proc.returncode != 0 and "ROLLOUT_PATH" in proc.stderr
+def test_glm_recipe_decodes_under_cp_or_trains_on_rollouts_it_is_given(tmp_path):
+    """GLM-5 under CP 32 on four nodes: without ROLLOUT_PATH it samples its responses from the
+    CP-sharded state (internal rollouts); with it, its prompt groups come from that file."""
+    launcher, argv = _split(_launch(tmp_path, "glm-5_2m_cp32.sh", {"ROLLOUT_PATH": ""}))  # unset
+    assert launcher["--nnodes"] == "4" and launcher["--nproc-per-node"] == "8"
+    args = parse_args(argv, world_size=32)
+    assert (args.context_parallel_size, args.expert_model_parallel_size) == (32, 32)
+    assert args.rollout_source == "internal" and args.rollout_path is None
     rollouts = tmp_path / "rollouts.jsonl"
     rollouts.write_text('{"prompt_ids": [1, 2], "responses": [[3]]}\n')
     launcher, argv = _split(_launch(tmp_path, "glm-5_2m_cp32.sh", {"ROLLOUT_PATH": str(rollouts)}))

@@ -61,16 +61,19 @@ the gradients over CP at its end, so every CP rank again holds the full gradient
   keeps the latents and indexer keys of its shards with their global positions. The DSA top-k
   is selected globally (local candidates, all-gathered, ranked by score then position, so the
   selection is CP=1's), and the sparse attention over the selected latents merges the ranks'
-  partials by log-sum-exp, queries travelling as for full attention. Decoding GLM-5 under CP is
-  not supported yet (``ValueError``: sample elsewhere, ``--rollout-source jsonl``).
+  partials by log-sum-exp, queries travelling as for full attention. Decode
+  (``models/glm5_decode.py``) is full attention's: every CP rank decodes the same G samples, a new
+  token's indexer query is scored against this rank's prompt keys and the samples' own
+  (replicated) keys, the top-k chosen globally the same way, and its attention over this rank's
+  selected latents merges over the group before the own latents' part is merged in once.
 
 With pipeline parallelism, each stage captures its layers for its CP shard of every chunk and
 hands the shard's hidden states to the next stage of the same CP rank; replay, scoring and
 decoding go through the stages as without CP (``longstraw/pipeline.py``), each stage's attention
 merging over its CP group.
 
-Not yet under CP: prompt batches larger than one, GLM-5 decoding, and the full-graph baseline
-(``Mode.REFERENCE``); each raises ``ValueError``.
+Not yet under CP: prompt batches larger than one and the full-graph baseline (``Mode.REFERENCE``);
+each raises ``ValueError``.
 """
 
 from typing import Optional

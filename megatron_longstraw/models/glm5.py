@@ -350,12 +350,8 @@ def gpt_model_kwargs(hf: dict) -> dict:
 
 
 def check_layout(hf: dict, parallel, rollout_source: str) -> None:
-    """Refuse the parallel layouts GLM-5 lacks (beyond ``transformer_config``'s checks): decoding
-    (internal rollouts) under context parallelism; ``ValueError`` naming the flag."""
-    if parallel.context > 1 and rollout_source == "internal":
-        raise ValueError(f"--context-parallel-size {parallel.context} with a GLM-5 model: decoding "
-                         "(internal rollouts) under context parallelism is not supported yet for MLA + DSA; "
-                         "use --rollout-source jsonl")
+    """Parallel layouts this family refuses: none beyond ``transformer_config``'s checks (GLM-5
+    decodes under every layout, context parallelism included)."""
 
 
 # ----------------------------------------------------------------------------- FLOPs (for MFU)

@@ -20,9 +20,11 @@ LongStraw (capture/replay/decode, ``longstraw.binding``): ``LongStrawAbsorbedMLA
 owns the MLA latent state, ``LongStrawDSAIndexer`` the indexer keys (``glm5_state``), and
 ``LongStrawDSAttention`` attends new tokens over ``[prompt state; new tokens]``
 (``prefix_sparse_attention``), or in decode over ``[shared prompt state; the sample's own
-tokens]`` (``glm5_decode``). Under context parallelism capture, replay and the prompt sweep select
-the top-k and attend over every CP rank's shard (``attention/cp_sparse_attention.py``); decoding is
-refused.
+tokens]`` (``glm5_decode``). Under context parallelism capture, replay, the prompt sweep and
+decoding select the top-k and attend over every CP rank's shard
+(``attention/cp_sparse_attention.py``); in decode every CP rank runs the same samples, whose own
+latents and indexer keys are replicated. The full-graph baseline (``Mode.REFERENCE``) is refused
+under CP.
 The indexer and the sparse attention run their blockwise kernels with their ``kernel_options``
 (``attention/kernel_options.py``), which the model build sets. Unbound, all three are
 Megatron's modules unchanged.
@@ -130,10 +132,21 @@ class RopeOffset:
 def _refuse_unsupported(module, what: str, packed_seq_params=None, inference_context=None, mode=None) -> None:
     if packed_seq_params is not None or inference_context is not None:
         raise ValueError(f"LongStraw {what}: packed sequences and inference are not supported")
-    if module.pg_collection.cp.size() > 1 and mode not in (Mode.CAPTURE, Mode.REPLAY, Mode.SWEEP):
-        raise ValueError(f"LongStraw {what}: under context parallelism only capture, replay and the "
-                         f"prompt sweep are supported (not {getattr(mode, 'value', mode)}); sample with "
-                         "--rollout-source jsonl")
+    if module.pg_collection.cp.size() > 1 and mode not in (Mode.CAPTURE, Mode.REPLAY, Mode.SWEEP, Mode.DECODE):
+        raise ValueError(f"LongStraw {what}: under context parallelism the full-graph baseline "
+                         f"(--replay-mode full) is not supported (mode {getattr(mode, 'value', mode)})")
+
+
+def _decode_shard(binding, state, new_tokens: int) -> dict:
+    """``Mode.DECODE`` under CP: the ``glm5_decode`` arguments of this rank's prompt shard (the
+    CP group, its rows' global positions, and the prompt's length, i.e. the position of the
+    samples' first own token: ``state`` already holds this step's ``new_tokens``); ``{}``
+    without CP."""
+    group = context_parallel_group()
+    if group is None:
+        return {}
+    return dict(cp_group=group, prompt_pos_P=state.prompt.filled_positions(),
+                prompt_length=binding.position_offset + new_tokens - state.length)
 
 
 def prefix_sparse_attention(query_SBNK, key_SBK, prefix_key_SBK, topk_indices_BSK, up_v_weight,
@@ -190,7 +203,9 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
     @torch.no_grad()
     def topk_decode(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
         """Bound in ``Mode.DECODE``: appends the new tokens' keys to the samples' own keys and
-        returns their top-k ``[b, s, topk]`` over ``[shared prompt keys; own keys]``, causal."""
+        returns their top-k ``[b, s, topk]`` over ``[shared prompt keys; own keys]``, causal.
+        Under CP the prompt keys are this rank's shard and the top-k, chosen over every rank's
+        (``decode_index_topk``), holds global positions."""
         binding = self.longstraw
         state = binding.state
         with self.rope_offset.shifted(binding.position_offset):
@@ -199,7 +214,8 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
         q, k, weights = q[:valid], k[:valid], weights[:valid]
         state.append(k)
         return decode_index_topk(q, weights, state.prompt.filled(), state.filled(), self.index_topk,
-                                 use_relu=self.config.dsa_indexer_scoring_relu, options=self.kernel_options)
+                                 use_relu=self.config.dsa_indexer_scoring_relu, options=self.kernel_options,
+                                 **_decode_shard(binding, state, q.shape[0]))
 
     @torch.no_grad()
     def topk_after_prefix(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
@@ -311,14 +327,17 @@ class LongStrawDSAttention(DSAttention, UsesKernelOptions):
         return up_project(out, up_v_weight)
 
     @torch.no_grad()
-    def forward_decode(self, query_SBNK, latents: MLADecodeState, x, qr, up_v_weight):
+    def forward_decode(self, query_SBNK, latents: MLADecodeState, x, qr, up_v_weight, binding):
         """Decode: the newest tokens' attention over ``[shared prompt latents; the samples' own
-        latents]`` (the new ones already appended to ``latents``); ``[s, b, heads * v]``."""
+        latents]`` (the new ones already appended to ``latents``); ``[s, b, heads * v]``.
+        ``binding``: the MLA layer's. Under CP the prompt latents are this rank's shard and the
+        partials merge over the group (``decode_sparse_attention``)."""
         _refuse_unsupported(self, "DSA", mode=Mode.DECODE)
         topk = self._topk(x, qr, lambda x, qr: self.indexer.topk_decode(x, qr))
         return decode_sparse_attention(query_SBNK, latents.prompt.filled(), latents.filled(), topk,
                                        up_v_weight, self.softmax_scale, self.config.kv_lora_rank,
-                                       options=self.kernel_options)
+                                       options=self.kernel_options,
+                                       **_decode_shard(binding, latents, query_SBNK.shape[0]))
 
 
 class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule):
@@ -389,7 +408,7 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
             valid = binding.valid_length or q_absorbed.shape[0]
             state.append(kv_latent.squeeze(2)[:valid])
             core_out = pad_rows_to(self.core_attention.forward_decode(
-                q_absorbed[:valid], state, hidden_states, q_compressed, v_up_weight), q_absorbed.shape[0])
+                q_absorbed[:valid], state, hidden_states, q_compressed, v_up_weight, binding), q_absorbed.shape[0])
         elif mode == Mode.REFERENCE:
             core_out = self.core_attention(
                 q_absorbed, detach_prefix(kv_latent, binding.prefix_length, 0), value=None,

@@ -11,9 +11,10 @@ Tensor parallelism: the logits are vocabulary-sharded, so they are all-gathered 
 and every TP rank samples from the same full logits; TP rank 0's tokens are then broadcast over
 the group, so every rank feeds the same tokens whatever its generator. Pass the same
 ``generator`` seed on every TP rank to keep the generators in step (the random draws are then
-identical anyway). Context parallelism: the prompt state's K/V pages are sharded over the CP
-group (``core/collectives.py``) and every CP rank runs this same loop on the same
-samples; the attention merges the ranks' page parts, so the logits are the same on every CP rank,
+identical anyway). Context parallelism: the prompt state's K/V pages (GLM-5: MLA latents and DSA
+indexer keys) are sharded over the CP group (``core/collectives.py``) and every CP rank runs this
+same loop on the same samples; the attention merges the ranks' page parts (GLM-5's top-k is chosen
+over every rank's keys), so the logits are the same on every CP rank,
 and CP rank 0's tokens are broadcast over the CP group (after the TP broadcast), so the tokens
 are replicated exactly. Sequence parallelism: a step's tokens are padded to a multiple of TP
 (``decode_step``). Pipeline parallelism: every stage runs this loop on the same samples, the
