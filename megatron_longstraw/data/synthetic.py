@@ -95,6 +95,13 @@ class KeyValueRetrievalTask:
         self.content_ids = content_ids
         self.filler_length = prompt_length - minimum
 
+    def variant(self, *, prompt_length: int | None = None, seed: int | None = None) -> "KeyValueRetrievalTask":
+        """The same task at another prompt length and/or seed (a curriculum stage, held-out prompts)."""
+        return KeyValueRetrievalTask(self.vocab_size, self.prompt_length if prompt_length is None else prompt_length,
+                                     num_records=self.num_records, key_length=self.key_length,
+                                     value_length=self.value_length, vocab_lo=self.vocab_lo, vocab_hi=self.vocab_hi,
+                                     eos_id=self.eos_id, seed=self.seed if seed is None else seed)
+
     def _distinct_keys(self, rng: np.random.Generator) -> np.ndarray:
         num_content = self.content_ids.size
         keys, seen = [], set()

@@ -186,6 +186,21 @@ def _data(p):
     g.add_argument("--synthetic-value-length", type=int, default=1, help="tokens of a synthetic record's value")
     g.add_argument("--synthetic-vocab-size", type=int, default=None,
                    help="the task uses ids [0, N) only (markers, keys, values, filler); default: the model's")
+    g.add_argument("--prompt-length-schedule", default=None, metavar="LENGTH:STEPS,...,LENGTH",
+                   help="synthetic task curriculum, e.g. 512:200,4096:200,32768: each stage's prompt length for "
+                        "its steps, the last to the end (replaces --synthetic-prompt-length, which becomes its "
+                        "longest for the plan check; logged as curriculum/prompt_length; default: unset)")
+
+
+def _evaluation(p):
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-interval", type=int, default=0,
+                   help="every N steps, greedy and sampled reward on held-out synthetic prompts (eval/*); 0: never")
+    g.add_argument("--eval-prompts", type=int, default=16,
+                   help="held-out prompts per length (a multiple of the data-parallel size)")
+    g.add_argument("--eval-prompt-lengths", default=None,
+                   help="comma-separated prompt lengths to evaluate at (default: the training length, the "
+                        "schedule's last)")
     g.add_argument("--tokenizer-type", default="NullTokenizer",
                    choices=["NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"],
                    help="Megatron tokenizer (NullTokenizer: the data are token ids)")
@@ -245,7 +260,7 @@ def _kernels(p):
 
 
 GROUPS = (_model, _parallel, _precision, _optimizer, _training, _checkpointing, _logging, _grpo,
-          _rollout, _reward, _data, _longstraw, _kernels)
+          _rollout, _reward, _data, _evaluation, _longstraw, _kernels)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -330,6 +345,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ValueError(f"--rollout-path {args.rollout_path}: no such file")
     if args.data_path != "synthetic" and args.rollout_source == "internal" and not os.path.isfile(args.data_path):
         raise ValueError(f"--data-path {args.data_path}: no such file")
+    _curriculum_and_evaluation(args)
     if args.tokenizer_type != "NullTokenizer" and not args.tokenizer_model:
         raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
     extra_family = None
@@ -357,6 +373,40 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ValueError("--context-parallel-size > 1 needs --replay-mode longstraw (the full-graph "
                          "baseline has no CP path)")
     return args
+
+
+def _curriculum_and_evaluation(args) -> None:
+    """``--prompt-length-schedule`` and ``--eval-*``: the synthetic task's (internal rollouts)."""
+    from megatron_longstraw.training.curriculum import PromptLengthSchedule
+
+    synthetic = args.data_path == "synthetic" and args.rollout_source == "internal"
+    args.prompt_lengths_schedule = None
+    if args.prompt_length_schedule is not None:
+        if not synthetic:
+            raise ValueError("--prompt-length-schedule is for the synthetic task (--data-path synthetic, "
+                             "internal rollouts)")
+        args.prompt_lengths_schedule = PromptLengthSchedule.parse(args.prompt_length_schedule)
+        args.synthetic_prompt_length = args.prompt_lengths_schedule.longest  # the plan check's and the positions'
+    if args.eval_interval < 0:
+        raise ValueError(f"--eval-interval must be >= 0, got {args.eval_interval}")
+    if args.eval_interval:
+        if not synthetic:
+            raise ValueError("--eval-interval evaluates on held-out prompts of the synthetic task (--data-path "
+                             "synthetic, internal rollouts)")
+        if args.eval_prompts < 1 or args.eval_prompts % args.data_parallel_size:
+            raise ValueError(f"--eval-prompts {args.eval_prompts} must be a positive multiple of the data-parallel "
+                             f"size {args.data_parallel_size}")
+    if args.eval_prompt_lengths is not None:
+        try:
+            lengths = [int(x) for x in args.eval_prompt_lengths.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--eval-prompt-lengths {args.eval_prompt_lengths!r}: comma-separated integers") from None
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"--eval-prompt-lengths {args.eval_prompt_lengths!r}: lengths >= 1 needed")
+        args.eval_lengths = lengths
+    else:
+        args.eval_lengths = [args.prompt_lengths_schedule.stages[-1][0] if args.prompt_lengths_schedule
+                             else args.synthetic_prompt_length]
 
 
 def _resume_or_start_fresh(args) -> None:

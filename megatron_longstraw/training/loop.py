@@ -12,6 +12,7 @@ from megatron_longstraw.distributed import device
 from megatron_longstraw.grpo.registry import get_policy_loss
 from megatron_longstraw.training.checkpoint import (
     checkpoint_iteration, load_checkpoint, run_assets, save_checkpoint, set_aside_tracker)
+from megatron_longstraw.training.evaluation import evaluate
 from megatron_longstraw.training.grpo_step import PhaseClock, train_group
 from megatron_longstraw.training.metrics import reduce_step_metrics, throughput_metrics
 from megatron_longstraw.training.optimizer import build_optimizer, build_scheduler, finish_gradients, wrap_ddp
@@ -64,6 +65,8 @@ def train(args):
             for chunk in ddp:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
+            if args.prompt_lengths_schedule is not None:  # the curriculum: a function of the step alone
+                source.set_prompt_length(args.prompt_lengths_schedule.length_at(iteration))
             groups = [train_group(model, source.next_group(), args, reward_fn=reward_fn, eos_id=tokenizer.eos_id,
                                   generator=generator, groups_per_rank=groups_per_rank, reference=reference,
                                   clock=clock) for _ in range(groups_per_rank)]
@@ -81,6 +84,12 @@ def train(args):
             iteration += 1
             if iteration == 1 and args.overwrite and not args.no_save:  # a fresh run writes from now on
                 set_aside_tracker(args.save)
+            if args.prompt_lengths_schedule is not None:
+                metrics["curriculum/prompt_length"] = float(source.dataset.task.prompt_length)
+            if args.eval_interval and iteration % args.eval_interval == 0:
+                with clock("eval"):
+                    metrics.update(evaluate(model, source.dataset.task, args.eval_lengths, args, reward_fn,
+                                            tokenizer.eos_id, iteration))
             metrics.update(clock.metrics)
             metrics.update(throughput_metrics(hf, model, groups, clock.metrics, args))
             metrics.update({"optim/grad_norm": grad_norm if grad_norm is not None else float("nan"),

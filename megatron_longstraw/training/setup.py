@@ -87,6 +87,12 @@ class PromptSource:
                                       else [lp.to(device()) for lp in item.sampler_logprobs])
         return group
 
+    def set_prompt_length(self, length: int) -> None:
+        """The synthetic task's prompts from now on have ``length`` tokens (a curriculum stage)."""
+        task = self.dataset.task
+        if task.prompt_length != length:
+            self.dataset.task = task.variant(prompt_length=length)
+
     def state_dict(self) -> dict:
         return self.dataset.state_dict()
 
@@ -105,13 +111,25 @@ def build_prompt_source(args, hf: dict, tokenizer) -> PromptSource:
             flag="--rollout-path"))
     if args.data_path == "synthetic":
         if args.synthetic_prompt_length > max_prompt:
-            raise ValueError(f"--synthetic-prompt-length {args.synthetic_prompt_length} exceeds the longest "
+            flag = "--prompt-length-schedule" if args.prompt_lengths_schedule else "--synthetic-prompt-length"
+            raise ValueError(f"{flag}: {args.synthetic_prompt_length} tokens exceed the longest "
                              f"prompt the model takes ({max_prompt})")
+        if args.eval_interval and max(args.eval_lengths) > max_prompt:
+            raise ValueError(f"--eval-prompt-lengths: {max(args.eval_lengths)} tokens exceed the longest prompt "
+                             f"the model takes ({max_prompt})")
         task = KeyValueRetrievalTask(hf["vocab_size"], args.synthetic_prompt_length,
                                      num_records=args.synthetic_num_records,
                                      value_length=args.synthetic_value_length, key_length=1,
                                      vocab_hi=args.synthetic_vocab_size,
                                      eos_id=tokenizer.eos_id, seed=args.seed)
+        stages = [n for n, _ in args.prompt_lengths_schedule.stages] if args.prompt_lengths_schedule else []
+        for flag, lengths in (("--prompt-length-schedule", stages),
+                              ("--eval-prompt-lengths", args.eval_lengths if args.eval_interval else [])):
+            for length in lengths:  # every stage and eval length makes prompts, checked now
+                try:
+                    task.variant(prompt_length=length)
+                except ValueError as err:
+                    raise ValueError(f"{flag}: {err}") from None
         return PromptSource(SyntheticRetrievalDataset(task, seed=args.seed))
     return PromptSource(PromptDataset(args.data_path, tokenizer, vocab_size=hf["vocab_size"],
                                       max_prompt_length=max_prompt, seed=args.seed, flag="--data-path"))

@@ -1,0 +1,80 @@
+"""The prompt-length curriculum (``--prompt-length-schedule``) and held-out evaluation
+(``--eval-interval``): parsing, bad input, and a run that logs both."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import train_grpo
+from megatron_longstraw.distributed import destroy_distributed, init_distributed
+from megatron_longstraw.training import loop
+from megatron_longstraw.training.curriculum import PromptLengthSchedule
+
+
+def test_schedule_stages_by_step():
+    schedule = PromptLengthSchedule.parse("512:2, 4096:3,32768")
+    assert schedule.stages == ((512, 2), (4096, 3), (32768, None)) and schedule.longest == 32768
+    assert [schedule.length_at(i) for i in range(7)] == [512, 512, 4096, 4096, 4096, 32768, 32768]
+    assert PromptLengthSchedule.parse("100:5").length_at(9) == 100  # past the stages: the last one's
+
+
+@pytest.mark.parametrize("text,needle", [("512:x", "stage '512:x' is not LENGTH:STEPS"),
+                                         ("512,4096", "only the last stage may leave out its steps ('512')"),
+                                         ("0:3,64", "stage '0:3' needs a length and steps >= 1")])
+def test_bad_schedules_name_the_flag(text, needle):
+    with pytest.raises(ValueError) as err:
+        PromptLengthSchedule.parse(text)
+    assert str(err.value) == f"--prompt-length-schedule {text!r}: {needle}"
+
+
+def _args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--train-iters", "4", "--global-batch-size", "1", "--num-generations", "2", "--prompt-chunk-size", "24",
+            "--max-response-length", "3", "--lr", "1e-2", "--no-save", "--wandb-save-dir", str(tmp_path / "wandb"),
+            "--wandb-mode", "disabled", *extra]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--prompt-length-schedule", "40:2,64", "--data-path", "prompts.jsonl"], "--prompt-length-schedule is for the synthetic task"),
+    (["--eval-interval", "-1"], "--eval-interval must be >= 0"),
+    (["--eval-interval", "2", "--eval-prompts", "0"], "--eval-prompts 0 must be a positive multiple"),
+    (["--eval-interval", "2", "--eval-prompt-lengths", "40,x"], "--eval-prompt-lengths '40,x': comma-separated integers"),
+])
+def test_bad_flags_are_refused(tmp_path, extra, needle):
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
+    extra = [str(tmp_path / x) if x == "prompts.jsonl" else x for x in extra]
+    with pytest.raises(ValueError, match=needle):
+        train_grpo.parse_args(_args(tmp_path, *extra))
+
+
+def test_a_schedule_stage_too_short_for_the_task_is_refused_at_start_up(tmp_path):
+    args = train_grpo.parse_args(_args(tmp_path, "--prompt-length-schedule", "6:2,64"))
+    init_distributed(args.parallel, seed=args.seed)
+    try:
+        with pytest.raises(ValueError, match="--prompt-length-schedule: synthetic task: prompt_length 6 is too short"):
+            loop.train(args)
+    finally:
+        destroy_distributed()
+
+
+def test_a_run_follows_its_schedule_and_evaluates_held_out_prompts(tmp_path):
+    args = train_grpo.parse_args(_args(tmp_path, "--prompt-length-schedule", "40:2,64", "--eval-interval", "2",
+                                       "--eval-prompts", "2", "--eval-prompt-lengths", "40,64",
+                                       "--wandb-mode", "offline"))
+    init_distributed(args.parallel, seed=args.seed)
+    try:
+        loop.train(args)
+    finally:
+        destroy_distributed()
+    rows = [json.loads(line) for line in (tmp_path / "wandb" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["curriculum/prompt_length"] for r in rows] == [40, 40, 64, 64]
+    assert [r["prompt/length"] for r in rows] == [40, 40, 64, 64]
+    evaluated = [r for r in rows if "eval/greedy_reward" in r]
+    assert [r["step"] for r in evaluated] == [2, 4]
+    for row in evaluated:
+        for key in ("eval/len40/greedy_reward", "eval/len40/sampled_reward", "eval/len64/greedy_reward",
+                    "eval/len64/sampled_reward"):
+            assert 0.0 <= row[key] <= 1.0, (key, row[key])
+        assert row["eval/greedy_reward"] == pytest.approx((row["eval/len40/greedy_reward"]
+                                                           + row["eval/len64/greedy_reward"]) / 2)
+        assert row["time/eval_s"] > 0
