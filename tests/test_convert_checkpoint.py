@@ -167,17 +167,29 @@ def _extra_tensor(folder):
 
 @pytest.mark.parametrize("breaker", [_missing_shard, _missing_index_entry, _unknown_model_type,
                                      _shape_mismatch, _extra_tensor])
-def test_bad_input_one_line_error_and_nothing_left(converted, tmp_path, breaker):
+def test_bad_input_one_line_error_and_nothing_left(converted, tmp_path, breaker, capsys):
     hf, _, root = converted
     if breaker is _shape_mismatch and hf["model_type"] != "qwen3_5_text":
         pytest.skip("one family suffices")
     broken = _copy_hf(root / "hf", tmp_path / "broken")
     named = breaker(broken)
-    result = _cli("hf-to-mcore", "--load", str(broken), "--save", str(tmp_path / "out"))
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert len(lines) == 1 and named in lines[0], result.stderr[-2000:]
+    capsys.readouterr()
+    status = convert_checkpoint.main(["hf-to-mcore", "--load", str(broken), "--save", str(tmp_path / "out"),
+                                      "--no-progress"])
+    stderr = capsys.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert status == 2, stderr[-2000:]
+    assert len(lines) == 1 and named in lines[0], stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
+
+
+def test_the_command_line_exits_with_the_error_status(converted, tmp_path):
+    """The script itself (not ``main``): a bad --load is one error line and exit status 2."""
+    if converted[0]["model_type"] != "qwen3_5_text":
+        pytest.skip("one family suffices")
+    result = _cli("hf-to-mcore", "--load", str(tmp_path / "absent"), "--save", str(tmp_path / "out"))
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(lines) == 1 and "absent" in lines[0], result.stderr[-2000:]
 
 
 def test_truncated_checkpoint_to_hf_is_one_line_naming_the_file(converted, tmp_path, capsys):

@@ -119,14 +119,20 @@ def test_max_prompt_is_the_edge_of_fitting():
     assert 0 < timed < length and plan.time.step <= 60.0
 
 
-def test_cli_table_and_json(tmp_path):
-    cmd = [sys.executable, str(ROOT / "tools/plan_budget.py"), "--model", "qwen3.5-0.8b", "--num-gpus", "2",
-           "--prompt-length", "524288"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "fastest that fits" in out.stdout and "TP1 CP2 PP1 DP1" in out.stdout
-    out = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=120)
-    plans = json.loads(out.stdout)["plans"]
+def _plan_budget():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import plan_budget
+
+    return plan_budget
+
+
+def test_cli_table_and_json(capsys):
+    argv = ["--model", "qwen3.5-0.8b", "--num-gpus", "2", "--prompt-length", "524288"]
+    assert _plan_budget().main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fastest that fits" in out and "TP1 CP2 PP1 DP1" in out
+    assert _plan_budget().main(argv + ["--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
     assert {"weights", "prompt_state", "peak"} <= set(plans[0]["memory_gib"])
 
 
@@ -139,13 +145,11 @@ def test_cli_table_and_json(tmp_path):
     (["--max-step-seconds", "600"], "--max-step-seconds needs --max-prompt"),
     (["--against", "/nonexistent"], "--against /nonexistent: no such folder"),
 ])
-def test_cli_bad_input_one_line(tmp_path, args, message):
-    base = ["--model", "qwen3.5-0.8b"]
-    if args[0] == "--model":
-        base = []
-    out = subprocess.run([sys.executable, str(ROOT / "tools/plan_budget.py"), *base, *args],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+def test_cli_bad_input_one_line(capsys, args, message):
+    base = [] if args[0] == "--model" else ["--model", "qwen3.5-0.8b"]
+    assert _plan_budget().main([*base, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_cli_model_file_that_does_not_parse(tmp_path):

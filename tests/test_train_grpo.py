@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -423,9 +424,7 @@ def test_loading_a_checkpoint_of_another_model_names_the_tensor(warm_start, tmp_
 def test_damaged_pretrained_checkpoint_names_the_file(warm_start, tmp_path, damage):
     converted, _, _ = warm_start
     broken = tmp_path / "broken"
-    broken.mkdir()
-    for file in converted.iterdir():
-        (broken / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(converted, broken)  # (with the HF assets it keeps in a subfolder)
     data = broken / "__0_0.distcp"
     if damage == "missing":
         data.unlink()

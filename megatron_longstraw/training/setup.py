@@ -112,8 +112,9 @@ def build_prompt_source(args, hf: dict, tokenizer) -> PromptSource:
     if args.data_path == "synthetic":
         if args.synthetic_prompt_length > max_prompt:
             flag = "--prompt-length-schedule" if args.prompt_lengths_schedule else "--synthetic-prompt-length"
-            raise ValueError(f"{flag}: {args.synthetic_prompt_length} tokens exceed the longest "
-                             f"prompt the model takes ({max_prompt})")
+            raise ValueError(f"{flag} {args.prompt_length_schedule or args.synthetic_prompt_length}: "
+                             f"{args.synthetic_prompt_length} tokens exceed the longest prompt the model takes "
+                             f"({max_prompt})")
         if args.eval_interval and max(args.eval_lengths) > max_prompt:
             raise ValueError(f"--eval-prompt-lengths: {max(args.eval_lengths)} tokens exceed the longest prompt "
                              f"the model takes ({max_prompt})")
