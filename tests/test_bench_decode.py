@@ -30,6 +30,8 @@ def test_decode_bench_end_to_end_and_greedy_parity_with_transformers(tmp_path, p
         # each step reads the weights and the shared prompt state once, plus every sample's own state
         assert long_["bytes_per_step"] - short["bytes_per_step"] == pytest.approx(
             2 * long_["decode_state_gib"] / 3 * 2 ** 30, rel=1e-6)
+        assert short["reads_everything"] == (preset == "qwen3.5-debug")
+        assert (short["bandwidth_fraction"] is None) == (preset == "glm-5-debug")
         (theirs,) = point["hf"]
         assert theirs["tokens_match"] is True, (theirs["tokens"], long_["tokens"])
     assert "transformers `generate`" in (tmp_path / f"decode_{preset}.md").read_text()

@@ -208,15 +208,3 @@ def test_cp2_glm5_refusals_name_what_is_missing(runs):
     for run in ranks:
         assert run["unsupported"] and "PlainStateLayer" in run["unsupported"]
 
-
-def test_trainer_takes_glm5_internal_rollouts_under_cp():
-    """The family's layout check lets GLM-5 decode under CP (the trainer run itself:
-    ``tests/test_train_grpo.py``)."""
-    from megatron_longstraw.models.registry import family_for
-    from megatron_longstraw.training.arguments import parse_args
-
-    args = parse_args(["--model", "glm-5-debug", "--context-parallel-size", "2"], world_size=2)
-    assert args.rollout_source == "internal"
-    hf = resolve_hf_config("glm-5-debug")
-    family = family_for(hf["model_type"])
-    family.check_layout(family.normalize_hf_config(hf), args.parallel, args.rollout_source)

@@ -78,3 +78,14 @@ def test_a_run_follows_its_schedule_and_evaluates_held_out_prompts(tmp_path):
         assert row["eval/greedy_reward"] == pytest.approx((row["eval/len40/greedy_reward"]
                                                            + row["eval/len64/greedy_reward"]) / 2)
         assert row["time/eval_s"] > 0
+
+
+def test_the_plan_check_plans_the_longest_prompt_of_the_run(tmp_path):
+    from megatron_longstraw.training.plan_check import trainer_prompt_length
+
+    hf = {"max_position_embeddings": 4096}
+    args = train_grpo.parse_args(_args(tmp_path, "--prompt-length-schedule", "40:2,64"))
+    assert trainer_prompt_length(args, hf) == (64, "--prompt-length-schedule")
+    args = train_grpo.parse_args(_args(tmp_path, "--prompt-length-schedule", "40:2,64", "--eval-interval", "2",
+                                       "--eval-prompt-lengths", "40,256"))
+    assert trainer_prompt_length(args, hf) == (256, "--eval-prompt-lengths")

@@ -94,8 +94,18 @@ def test_run_assets_take_the_tokenizer_the_run_used(exported, tmp_path):
     args = Namespace(pretrained_checkpoint=str(converted), load=None, tokenizer_type="HuggingFaceTokenizer",
                      tokenizer_model=str(other))
     assets = run_assets(args)
-    assert assets["tokenizer.json"] == other / "tokenizer.json"  # the run's tokenizer
-    assert assets["generation_config.json"] == converted / "hf_assets" / "generation_config.json"
+    assert assets["tokenizer.json"] == (other / "tokenizer.json").read_bytes()  # the run's tokenizer
+    assert assets["generation_config.json"] == (converted / "hf_assets" / "generation_config.json").read_bytes()
+
+
+def test_another_tokenizer_replaces_the_kept_one_whole():
+    from megatron_longstraw.checkpointing.hf_assets import override_assets
+
+    kept = {"tokenizer.json": "a/tokenizer.json", "chat_template.jinja": "a/chat_template.jinja",
+            "tokenizer_config.json": "a/tokenizer_config.json", "generation_config.json": "a/generation_config.json"}
+    bpe = {"vocab.json": "b/vocab.json", "merges.txt": "b/merges.txt", "tokenizer_config.json": "b/tokenizer_config.json"}
+    assert override_assets(kept, bpe) == {**bpe, "generation_config.json": "a/generation_config.json"}
+    assert override_assets(kept, {}) == kept
     null = run_assets(Namespace(pretrained_checkpoint=None, load=None, tokenizer_type="NullTokenizer", tokenizer_model=None))
     assert null == {}
 

@@ -17,7 +17,8 @@ from megatron_longstraw.grpo.rollout_correction import check_correction, sequenc
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.rollout.generate import generate_from_state
 from megatron_longstraw.training import loop
-from megatron_longstraw.training.setup import build_policy
+from megatron_longstraw.models.presets import resolve_hf_config
+from megatron_longstraw.training.setup import build_policy, build_prompt_source
 
 LOG = math.log
 
@@ -32,10 +33,12 @@ def test_token_weights_by_hand():
     weight, corrected = token_weights(old, sampler, "tis", 1.5)
     torch.testing.assert_close(weight, torch.tensor([[1.5], [0.5], [1.0]]))
     assert corrected[:, 0].tolist() == [True, False, False]
-    weight, corrected = token_weights(old, sampler, "mis", 1.5)  # keep ratios in [1/1.5, 1.5]
-    assert weight[:, 0].tolist() == [0.0, 0.0, 1.0] and corrected[:, 0].tolist() == [True, True, False]
+    weight, corrected = token_weights(old, sampler, "mis", 1.5)  # keep ratios in [1/1.5, 1.5], weighted
+    torch.testing.assert_close(weight, torch.tensor([[0.0], [0.0], [1.0]]))
+    assert corrected[:, 0].tolist() == [True, True, False]
     weight, corrected = token_weights(old, sampler, "mis", 2.5)
-    assert weight[:, 0].tolist() == [1.0, 1.0, 1.0] and not corrected.any()
+    torch.testing.assert_close(weight, torch.tensor([[2.0], [0.5], [1.0]]))
+    assert not corrected.any()
     weight, corrected = token_weights(old, sampler, "none", 1.5)
     assert weight[:, 0].tolist() == [1.0, 1.0, 1.0] and not corrected.any()
     huge, _ = token_weights(torch.tensor([[0.0]]), torch.tensor([[-200.0]]), "tis", 3.0)  # exp overflows
@@ -104,7 +107,9 @@ def test_mis_masks_the_policy_term_only():
     mask = torch.ones(2, 1, dtype=torch.float64)
     loss_fn = _grpo(old, sampler, "mis", 1.5, [1.0])
     loss_fn(new, mask, [0]).backward()
-    assert new.grad[0, 0].item() == 0.0 and new.grad[1, 0].item() != 0.0
+    # the masked token gets no policy gradient; the kept one its ratio (0.2 / 0.19) times the plain one
+    r = 0.21 / 0.2
+    assert new.grad[0, 0].item() == 0.0 and new.grad[1, 0].item() == pytest.approx(-(0.2 / 0.19) * r, rel=1e-12)
     assert loss_fn.logged_metrics()["rollout/corrected_frac"] == 0.5
 
 
@@ -222,6 +227,7 @@ def test_a_correction_needs_logprobs_in_the_record(tmp_path):
     init_distributed(args.parallel, seed=args.seed)
     try:
         with pytest.raises(ValueError, match=f"{path}:1: --rollout-correction mis needs the sampler's 'logprobs'"):
-            loop.train(args)
+            build_prompt_source(args, resolve_hf_config("qwen3.5-debug"), SimpleNamespace(eos_id=255, vocab_size=256))
+    # found at start-up (the file's validation pass), before any model is built
     finally:
         destroy_distributed()

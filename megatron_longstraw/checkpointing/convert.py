@@ -36,7 +36,7 @@ from megatron_longstraw.checkpointing.hf_assets import (
     checkpoint_assets,
     copy_assets,
     find_assets,
-    merge_assets,
+    override_assets,
     tokenizer_assets,
 )
 from megatron_longstraw.checkpointing.hf_folder import INDEX_NAME, SINGLE_NAME, HFFolder
@@ -213,7 +213,7 @@ def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | N
     from megatron_longstraw.models.presets import resolve_hf_config
 
     folder = resolve_checkpoint_dir(load)
-    assets = merge_assets(checkpoint_assets(folder), tokenizer_assets(tokenizer_model))
+    assets = override_assets(checkpoint_assets(folder), tokenizer_assets(tokenizer_model))
     if not any(name in assets for name in TOKENIZER_FILES):
         _log(f"--load {folder}: the checkpoint keeps no tokenizer files: the exported folder has none "
              "(pass --tokenizer-model FOLDER for a folder that serves)")

@@ -47,19 +47,31 @@ def tokenizer_assets(tokenizer_model: str | Path | None) -> dict[str, Path]:
     return find_assets(path if path.is_dir() else path.parent, TOKENIZER_FILES) if path.exists() else {}
 
 
-def merge_assets(*sources: dict[str, Path]) -> dict[str, Path]:
-    """One set from several: a later source's file replaces an earlier one of the same name."""
-    merged = {}
-    for source in sources:
-        merged.update(source)
-    return merged
+def override_assets(base: dict, newer: dict) -> dict:
+    """``base`` with ``newer``'s files, group by group: a tokenizer is replaced as a whole (when
+    ``newer`` has any tokenizer file, none of ``base``'s stays beside it: a ``tokenizer.json`` of
+    one tokenizer and a ``vocab.json`` of another would load as neither), and so is the
+    generation config."""
+    out = {}
+    for group in (TOKENIZER_FILES, GENERATION_FILES):
+        source = newer if any(name in newer for name in group) else base
+        out.update({name: value for name, value in source.items() if name in group})
+    return out
 
 
-def copy_assets(assets: dict[str, Path], destination: str | Path) -> list[str]:
-    """Copy ``assets`` into ``destination`` (created if needed); the names copied."""
+def read_assets(assets: dict[str, Path]) -> dict[str, bytes]:
+    """The files' contents (small), so that writing them later needs nothing on disk."""
+    return {name: Path(path).read_bytes() for name, path in assets.items()}
+
+
+def copy_assets(assets: dict[str, Path | bytes], destination: str | Path) -> list[str]:
+    """Write ``assets`` (paths or contents) into ``destination`` (created if needed); the names."""
     if not assets:
         return []
     Path(destination).mkdir(parents=True, exist_ok=True)
-    for name, path in sorted(assets.items()):
-        shutil.copyfile(path, Path(destination) / name)
+    for name, value in sorted(assets.items()):
+        if isinstance(value, bytes):
+            (Path(destination) / name).write_bytes(value)
+        else:
+            shutil.copyfile(value, Path(destination) / name)
     return sorted(assets)

@@ -60,18 +60,20 @@ class RolloutGroup:
 class ExternalRolloutDataset(JsonlDataset):
     """Rollout groups from a JSONL file (see the module docstring); ``next(dataset)`` ->
     ``RolloutGroup``. ``tokenizer`` is needed for text prompts/responses; ``vocab_size``
-    defaults to the tokenizer's."""
+    defaults to the tokenizer's; ``logprobs_for`` (a ``--rollout-correction`` mode) makes
+    ``"logprobs"`` required in every record (so ``validate`` finds a record without them at once)."""
 
     def __init__(self, path: str, tokenizer=None, *, num_generations: int,
                  vocab_size: int | None = None, max_prompt_length: int | None = None,
                  max_response_length: int | None = None, append_eos: bool = True,
                  seed: int = 0, shuffle: bool = True, validate: bool = True,
-                 flag: str = "--external-rollouts"):
+                 flag: str = "--external-rollouts", logprobs_for: str | None = None):
         if num_generations < 1:
             raise ValueError(f"--num-generations must be >= 1, got {num_generations}")
         self.num_generations = num_generations
         self.max_response_length = max_response_length
         self.append_eos = append_eos
+        self.logprobs_for = logprobs_for  # the --rollout-correction that needs every record's log-probs
         super().__init__(path, tokenizer, vocab_size=vocab_size, max_prompt_length=max_prompt_length,
                          seed=seed, shuffle=shuffle, validate=validate, flag=flag)
 
@@ -119,6 +121,9 @@ class ExternalRolloutDataset(JsonlDataset):
         rewards = obj.get("rewards")
         parsed = [self._response(r, where, g) for g, r in enumerate(responses)]
         logprobs = obj.get("logprobs")
+        if logprobs is None and self.logprobs_for:
+            raise ValueError(f"{where}: --rollout-correction {self.logprobs_for} needs the sampler's 'logprobs' in "
+                             "every record, and this one has none")
         if logprobs is not None and any(isinstance(r, str) for r in responses):
             raise ValueError(f"{where}: 'logprobs' needs token-id responses (the sampler's own tokens): a text "
                              "response is tokenized again here, and its tokens need not be the ones sampled")

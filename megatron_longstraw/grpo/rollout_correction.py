@@ -7,7 +7,7 @@ an FP8 server, another temperature. The policy-gradient term then carries the im
 
 - ``tis`` (truncated importance sampling): each token's policy term weighted by ``min(r, cap)``;
 - ``mis`` (masked importance sampling): a token whose ratio lies outside ``[1 / cap, cap]`` is left
-  out of the policy term (weight 0), the others keep weight 1;
+  out of the policy term (weight 0), the others keep their ratio as weight;
 - ``none``: weight 1 (the gap is still measured and logged).
 
 The sequence-level losses (``gspo``) take the ratio per response as the geometric mean of its
@@ -40,7 +40,7 @@ def _weights(log_ratio: torch.Tensor, mode: str, cap: float) -> tuple[torch.Tens
         return ratio.clamp(max=cap), ratio > cap
     if mode == "mis":
         keep = log_ratio.abs() <= math.log(cap)
-        return keep.to(log_ratio.dtype), ~keep
+        return torch.where(keep, log_ratio.exp(), torch.zeros_like(log_ratio)), ~keep
     assert mode == "none", mode
     return torch.ones_like(log_ratio), torch.zeros_like(log_ratio, dtype=torch.bool)
 

@@ -87,8 +87,9 @@ def fit_rates(folder: str | Path) -> dict:
     for p in points:
         r = p.result
         w = span_work(p.profile, r["prompt_length"], r["response_length"], logits=True)
+        per_response = 1.0 / int(p.flags["--replay-micro-batch-size"])  # the overhead is per micro-batch
         cols.append([K.ATTENTION_BWD_FLOPS_RATIO * w.attention / 1e12, K.ATTENTION_BWD_FLOPS_RATIO * w.sparse / 1e12,
-                     1.0])
+                     per_response])
         known.append(forward_known(w) - w.delta_rule * delta_fwd + tokens_known(w))
         meas.append(sum(r["replay_s"]) / len(r["replay_s"]))
     inv_bwd, inv_sparse_bwd, overhead = nonnegative_lstsq(cols, known, meas)

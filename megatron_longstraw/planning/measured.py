@@ -63,9 +63,11 @@ class MeasuredPoint:
         was shorter than one capture chunk (the chunk's kernels compiled in the first measured
         point), or of a run made before the benchmark warmed up at all (``COLD_RUNS``), or a point
         whose one-time costs its run shows (``COLD_POINTS``)."""
+        if (self.file, self.index) in COLD_POINTS:
+            return True
         if self.index != 0:
             return False
-        if self.file in COLD_RUNS or (self.file, self.index) in COLD_POINTS:
+        if self.file in COLD_RUNS:
             return True
         warmup = self.result.get("warmup_prompt_length", self.flags["--warmup-prompt-length"] or DEFAULT_WARMUP)
         return int(warmup) < int(self.flags["--prompt-chunk-size"])

@@ -161,7 +161,7 @@ def _rollout(p):
     g.add_argument("--rollout-correction", default="none", choices=["none", "tis", "mis"],
                    help="importance correction between the sampler's log-probs and the trainer's: tis weighs "
                         "each token's policy term by min(pi_old / pi_sampler, cap), mis leaves out tokens whose "
-                        "ratio is outside [1/cap, cap]; needs 'logprobs' in every --rollout-path record "
+                        "ratio is outside [1/cap, cap] and weighs the others by it; needs 'logprobs' in every --rollout-path record "
                         "(internal rollouts record their own)")
     g.add_argument("--rollout-correction-cap", type=float, default=2.0,
                    help="the cap C of --rollout-correction (a number >= 1)")

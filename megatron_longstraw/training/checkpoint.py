@@ -29,7 +29,8 @@ from megatron_longstraw.checkpointing.hf_assets import (
     ASSETS_DIR,
     checkpoint_assets,
     copy_assets,
-    merge_assets,
+    override_assets,
+    read_assets,
     tokenizer_assets,
 )
 from megatron_longstraw.checkpointing.model_checkpoint import TRACKER_NAME, resolve_checkpoint_dir, write_hf_config
@@ -70,16 +71,16 @@ def _sharded_state(model, optimizer, reference, rng, is_loading: bool = False) -
     return state
 
 
-def run_assets(args) -> dict:
-    """The tokenizer and generation-config files a run's saves carry (``hf_assets``): those of
-    the checkpoint it resumes or starts from, the tokenizer files of its ``--tokenizer-model``
-    (what it tokenized with) replacing theirs."""
+def run_assets(args) -> dict[str, bytes]:
+    """The tokenizer and generation-config files a run's saves carry (``hf_assets``), read now:
+    those of the checkpoint it resumes (else of the one it starts from), the tokenizer of its
+    ``--tokenizer-model`` (what it tokenized with) replacing theirs as a whole."""
     kept = {}
     for flag, path in (("--pretrained-checkpoint", args.pretrained_checkpoint), ("--load", args.load)):
         if path:  # both already checked to be checkpoints; the resumed one's files win
-            kept = merge_assets(kept, checkpoint_assets(resolve_checkpoint_dir(path, flag=flag)))
+            kept = override_assets(kept, checkpoint_assets(resolve_checkpoint_dir(path, flag=flag)))
     tokenizer = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
-    return merge_assets(kept, tokenizer_assets(tokenizer))
+    return read_assets(override_assets(kept, tokenizer_assets(tokenizer)))
 
 
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, trainer_state: dict,

@@ -1,8 +1,9 @@
-"""Held-out evaluation (``--eval-interval``): prompts of the synthetic task the policy never
-trained on, greedy and sampled, per prompt length.
+"""Held-out evaluation (``--eval-interval``): prompts of the synthetic task drawn apart from the
+training prompts, greedy and sampled, per prompt length.
 
-The held-out prompts come from the same task with another seed (``EVAL_SEED_OFFSET``), so no
-held-out prompt is a training prompt. Each prompt is captured once; one greedy response and
+The held-out prompts come from the same task with another seed (``EVAL_SEED_OFFSET``): other
+records, keys, values and filler, so a training prompt reappears only by chance (likely only
+with tiny vocabularies and prompts). Each prompt is captured once; one greedy response and
 ``--num-generations`` responses at ``--temperature`` are decoded from that state and scored by
 the run's reward. The prompts are spread over the data-parallel ranks and the sums reduced, so
 every rank logs the same figures: ``eval/greedy_reward`` and ``eval/sampled_reward`` (means

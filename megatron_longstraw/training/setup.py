@@ -108,7 +108,7 @@ def build_prompt_source(args, hf: dict, tokenizer) -> PromptSource:
         return PromptSource(ExternalRolloutDataset(
             args.rollout_path, tokenizer, num_generations=args.num_generations, vocab_size=hf["vocab_size"],
             max_prompt_length=max_prompt, max_response_length=args.max_response_length, seed=args.seed,
-            flag="--rollout-path"))
+            flag="--rollout-path", logprobs_for=None if args.rollout_correction == "none" else args.rollout_correction))
     if args.data_path == "synthetic":
         if args.synthetic_prompt_length > max_prompt:
             flag = "--prompt-length-schedule" if args.prompt_lengths_schedule else "--synthetic-prompt-length"
