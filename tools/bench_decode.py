@@ -23,16 +23,20 @@ import sys
 import tempfile
 import time
 
-import torch
+from megatron_longstraw import console
 
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
-from megatron_longstraw.longstraw.capture import capture_prompt
-from megatron_longstraw.models.builder import build_model
-from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import resolve_hf_config
-from megatron_longstraw.models.registry import family_for
-from megatron_longstraw.rollout.generate import generate_from_state
-from bench_output import bench_stem, write_bench_files  # tools/, beside this script
+console.quiet_third_party()  # before torch and Megatron load
+
+import torch  # noqa: E402
+
+from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
+from megatron_longstraw.models.builder import build_model  # noqa: E402
+from megatron_longstraw.models.options import ModelOptions  # noqa: E402
+from megatron_longstraw.models.presets import resolve_hf_config  # noqa: E402
+from megatron_longstraw.models.registry import family_for  # noqa: E402
+from megatron_longstraw.rollout.generate import generate_from_state  # noqa: E402
+from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/, beside this script)
 
 GiB = 2 ** 30
 
