@@ -31,6 +31,7 @@ from megatron_longstraw.longstraw.replay import replay_responses
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from megatron_longstraw.planning.hardware import gib_of_gb
 from megatron_longstraw.planning.measured import bench_plan
 from megatron_longstraw.planning.planner import model_profile
 from megatron_longstraw.training.arguments import add_kernel_flags, kernel_options_from_args
@@ -235,7 +236,7 @@ def _planned(hf, prompt_length, group, args) -> dict | None:
 
 def _memory_limit_gib(args) -> float | None:
     """``--memory-limit-gb`` in GiB (``None``: the whole GPU)."""
-    return args.memory_limit_gb * 1e9 / GiB if args.memory_limit_gb is not None else None
+    return gib_of_gb(args.memory_limit_gb) if args.memory_limit_gb is not None else None
 
 
 def limit_memory(args) -> None:

@@ -30,6 +30,11 @@ GPUS: dict[str, GpuSpec] = {
 REFERENCE_GPU = GPUS["h200"]  # where kernels.py's rates were measured
 
 
+def gib_of_gb(gb: float) -> float:
+    """``gb`` GB (10^9 bytes, as the GPU flags take memory) in GiB (what the planner counts)."""
+    return gb * 1e9 / 2 ** 30
+
+
 def gpu_spec(name: str | None, memory_gb: float | None = None, tflops: float | None = None) -> GpuSpec:
     """The named GPU, with ``memory_gb`` (usable GiB) or ``tflops`` (dense bf16) overriding its
     figures; without a name both must be given (a GPU the table lacks)."""

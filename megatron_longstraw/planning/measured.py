@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
 from megatron_longstraw.models.profile import ModelProfile
-from megatron_longstraw.planning.hardware import GPUS
+from megatron_longstraw.planning.hardware import GPUS, gib_of_gb
 from megatron_longstraw.planning.layouts import Layout
 from megatron_longstraw.planning.planner import LayoutPlan, model_profile, plan_layout
 from megatron_longstraw.planning.run import RunShape
@@ -161,7 +161,7 @@ def measured_points(folder: str | Path) -> tuple[list[MeasuredPoint], list[tuple
                               group=result["group"], prompt_gradient=result.get("prompt_gradient", "detached"),
                               chunk_size=int(flags["--prompt-chunk-size"]),
                               micro_batch_size=int(flags["--replay-micro-batch-size"]),
-                              memory_gib=(float(flags["--memory-limit-gb"]) * 1e9 / 2 ** 30
+                              memory_gib=(gib_of_gb(float(flags["--memory-limit-gb"]))
                                           if flags["--memory-limit-gb"] else None))
             points.append(MeasuredPoint(path.name, index, data["command"], flags, result, profile, plan))
     return points, skipped

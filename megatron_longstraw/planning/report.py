@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
 from megatron_longstraw.models.profile import ModelProfile
-from megatron_longstraw.planning.hardware import GPUS, GpuSpec, gpu_spec
+from megatron_longstraw.planning.hardware import GPUS, GpuSpec, gib_of_gb, gpu_spec
 from megatron_longstraw.planning.memory import ALLOWANCE
 from megatron_longstraw.planning.planner import CHUNK_SIZES, LayoutPlan, fastest_fitting, model_profile, plan_all
 from megatron_longstraw.planning.run import PRECISIONS, RunShape
@@ -92,7 +92,7 @@ def plan_from_args(args: argparse.Namespace) -> PlanRequest:
         if value is not None and value <= 0:
             raise ValueError(f"{flag} {value}: must be positive")
     custom = args.gpu is None and args.gpu_memory_gb is not None and args.gpu_tflops is not None
-    memory_gib = args.gpu_memory_gb * 1e9 / 2 ** 30 if args.gpu_memory_gb is not None else None
+    memory_gib = gib_of_gb(args.gpu_memory_gb) if args.gpu_memory_gb is not None else None
     gpu = gpu_spec(None if custom else (args.gpu or "h200"), memory_gib, args.gpu_tflops)
     run = RunShape(prompt_length=args.prompt_length, response_length=args.response_length,
                    num_generations=args.num_generations, prompt_gradient=args.prompt_gradient,

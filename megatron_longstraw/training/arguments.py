@@ -380,13 +380,13 @@ def _curriculum_and_evaluation(args) -> None:
     from megatron_longstraw.training.curriculum import PromptLengthSchedule
 
     synthetic = args.data_path == "synthetic" and args.rollout_source == "internal"
-    args.prompt_lengths_schedule = None
+    args.curriculum = None
     if args.prompt_length_schedule is not None:
         if not synthetic:
             raise ValueError("--prompt-length-schedule is for the synthetic task (--data-path synthetic, "
                              "internal rollouts)")
-        args.prompt_lengths_schedule = PromptLengthSchedule.parse(args.prompt_length_schedule)
-        args.synthetic_prompt_length = args.prompt_lengths_schedule.longest  # the plan check's and the positions'
+        args.curriculum = PromptLengthSchedule.parse(args.prompt_length_schedule)
+        args.synthetic_prompt_length = args.curriculum.longest  # the plan check's and the positions'
     if args.eval_interval < 0:
         raise ValueError(f"--eval-interval must be >= 0, got {args.eval_interval}")
     if args.eval_interval:
@@ -405,7 +405,7 @@ def _curriculum_and_evaluation(args) -> None:
             raise ValueError(f"--eval-prompt-lengths {args.eval_prompt_lengths!r}: lengths >= 1 needed")
         args.eval_lengths = lengths
     else:
-        args.eval_lengths = [args.prompt_lengths_schedule.stages[-1][0] if args.prompt_lengths_schedule
+        args.eval_lengths = [args.curriculum.stages[-1][0] if args.curriculum
                              else args.synthetic_prompt_length]
 
 

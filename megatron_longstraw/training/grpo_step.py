@@ -122,9 +122,6 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
                     ref_logprobs = score_logprobs(reference, ref_state, prompt_ids_1S, group.responses, args)
                 finally:
                     ref_state.free()
-        if args.rollout_correction != "none" and group.sampler_logprobs is None:
-            raise ValueError(f"{group.source}: --rollout-correction {args.rollout_correction} needs the sampler's "
-                             "'logprobs' in every record, and this one has none")
         loss_fn = get_policy_loss(args.loss_type).for_group(
             args, old_logprobs, advantages_G.to(old_logprobs[0].device), ref_logprobs=ref_logprobs,
             groups_per_rank=groups_per_rank, sampler_logprobs=group.sampler_logprobs)

@@ -65,8 +65,8 @@ def train(args):
             for chunk in ddp:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            if args.prompt_lengths_schedule is not None:  # the curriculum: a function of the step alone
-                source.set_prompt_length(args.prompt_lengths_schedule.length_at(iteration))
+            if args.curriculum is not None:  # the curriculum: a function of the step alone
+                source.set_prompt_length(args.curriculum.length_at(iteration))
             groups = [train_group(model, source.next_group(), args, reward_fn=reward_fn, eos_id=tokenizer.eos_id,
                                   generator=generator, groups_per_rank=groups_per_rank, reference=reference,
                                   clock=clock) for _ in range(groups_per_rank)]
@@ -84,7 +84,7 @@ def train(args):
             iteration += 1
             if iteration == 1 and args.overwrite and not args.no_save:  # a fresh run writes from now on
                 set_aside_tracker(args.save)
-            if args.prompt_lengths_schedule is not None:
+            if args.curriculum is not None:
                 metrics["curriculum/prompt_length"] = float(source.dataset.task.prompt_length)
             if args.eval_interval and iteration % args.eval_interval == 0:
                 with clock("eval"):

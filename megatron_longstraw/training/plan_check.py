@@ -20,9 +20,9 @@ def trainer_prompt_length(args, hf: dict) -> tuple[int, str]:
     """The longest prompt the run will see and the flag that sets it: the synthetic task's length,
     else the prompt budget (``--max-prompt-length``, or the positions left by the responses)."""
     if args.rollout_source != "jsonl" and args.data_path == "synthetic":
-        lengths = [(args.synthetic_prompt_length, "--prompt-length-schedule" if getattr(args, "prompt_lengths_schedule", None)
+        lengths = [(args.synthetic_prompt_length, "--prompt-length-schedule" if args.curriculum
                     else "--synthetic-prompt-length")]
-        if getattr(args, "eval_interval", 0):  # the held-out prompts are captured by the same GPUs
+        if args.eval_interval:  # the held-out prompts are captured by the same GPUs
             lengths.append((max(args.eval_lengths), "--eval-prompt-lengths"))
         return max(lengths, key=lambda pair: pair[0])
     budget = resolve_max_prompt_length(args.max_prompt_length, hf["max_position_embeddings"], args.max_response_length)

@@ -111,7 +111,7 @@ def build_prompt_source(args, hf: dict, tokenizer) -> PromptSource:
             flag="--rollout-path", logprobs_for=None if args.rollout_correction == "none" else args.rollout_correction))
     if args.data_path == "synthetic":
         if args.synthetic_prompt_length > max_prompt:
-            flag = "--prompt-length-schedule" if args.prompt_lengths_schedule else "--synthetic-prompt-length"
+            flag = "--prompt-length-schedule" if args.curriculum else "--synthetic-prompt-length"
             raise ValueError(f"{flag} {args.prompt_length_schedule or args.synthetic_prompt_length}: "
                              f"{args.synthetic_prompt_length} tokens exceed the longest prompt the model takes "
                              f"({max_prompt})")
@@ -123,7 +123,7 @@ def build_prompt_source(args, hf: dict, tokenizer) -> PromptSource:
                                      value_length=args.synthetic_value_length, key_length=1,
                                      vocab_hi=args.synthetic_vocab_size,
                                      eos_id=tokenizer.eos_id, seed=args.seed)
-        stages = [n for n, _ in args.prompt_lengths_schedule.stages] if args.prompt_lengths_schedule else []
+        stages = [n for n, _ in args.curriculum.stages] if args.curriculum else []
         for flag, lengths in (("--prompt-length-schedule", stages),
                               ("--eval-prompt-lengths", args.eval_lengths if args.eval_interval else [])):
             for length in lengths:  # every stage and eval length makes prompts, checked now
