@@ -71,7 +71,12 @@ restore_cache() {
   cp .gpu-cache/kernels.sha256 .gpu-cache/kernels.tgz.part-* $parts/ 2>/dev/null || true
   [ -f $parts/kernels.sha256 ] && [ ! -d $kcache ] || return 0
   if (cd $parts && sha256sum --quiet -c kernels.sha256 >/dev/null 2>&1); then
-    mkdir -p $kcache && cat $parts/kernels.tgz.part-* | tar xz -C $kcache && echo "kernel cache restored"
+    mkdir -p $kcache
+    if cat $parts/kernels.tgz.part-* | tar xz -C $kcache 2>/dev/null; then
+      echo "kernel cache restored"
+    else  # e.g. an archive cut short when it was saved: compile anew rather than fail the call
+      rm -rf $kcache && echo "kernel cache unreadable: not restored"
+    fi
   fi
 }
 keep_cache() {  # here: pieces from a call's returned files into .gpu-cache/, with their checksums

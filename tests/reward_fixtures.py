@@ -13,3 +13,11 @@ def raises(prompt_ids, response_ids, answer, metadata) -> float:
 
 def nan(prompt_ids, response_ids, answer, metadata) -> float:
     return float("nan")
+
+
+def uniform_on_odd_prompts(prompt_ids, response_ids, answer, metadata) -> float:
+    """``low_token_fraction`` on the synthetic prompts of even index, 0.0 on the odd ones: every
+    odd prompt's group has equal rewards (what dynamic sampling drops)."""
+    if metadata["index"] % 2:
+        return 0.0
+    return low_token_fraction(prompt_ids, response_ids, answer, metadata)

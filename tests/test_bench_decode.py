@@ -21,7 +21,7 @@ def test_step_seconds_leave_out_the_warmup():
 def test_decode_bench_end_to_end_and_greedy_parity_with_transformers(tmp_path, preset):
     bench_decode.main(["--model", preset, "--prompt-lengths", "40,72", "--group-sizes", "1,3", "--hf-group-sizes", "3",
                        "--new-tokens", "5", "--warmup-steps", "2", "--temperature", "0", "--prompt-chunk-size", "32",
-                       "--output-dir", str(tmp_path)])
+                       "--output-dir", str(tmp_path), "--profile", "3"])
     record = json.loads((tmp_path / f"decode_{preset}.json").read_text())
     assert [p["prompt_length"] for p in record["results"]] == [40, 72]
     for point in record["results"]:
@@ -34,6 +34,9 @@ def test_decode_bench_end_to_end_and_greedy_parity_with_transformers(tmp_path, p
         assert (short["bandwidth_fraction"] is None) == (preset == "glm-5-debug")
         (theirs,) = point["hf"]
         assert theirs["tokens_match"] is True, (theirs["tokens"], long_["tokens"])
+        assert 0 < theirs["prefill_s"] < theirs["total_s"] and 0 < theirs["per_step_s"] < theirs["total_s"]
+    profile = (tmp_path / f"decode_{preset}_profile_72.txt").read_text()
+    assert profile.startswith("3 samples, 5 tokens") and "by CPU time" in profile
     assert "transformers `generate`" in (tmp_path / f"decode_{preset}.md").read_text()
 
 

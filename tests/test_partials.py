@@ -11,6 +11,7 @@ import torch
 from megatron_longstraw.attention.dsa_blockwise import sparse_latent_partial
 from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.partials import (
+    merge_stacked_partials,
     default_scale, empty_partial, expand_groups, kernel_settings, merge_partials, merge_partials_over_group,
     merge_partials_over_group_with_grad, softmax_partial)
 from megatron_longstraw.testing.multiprocess import run_multiprocess
@@ -81,6 +82,22 @@ def test_merge_of_partials_equals_one_softmax():
             finite = ~b.isinf()
             assert (a[finite] - b[finite]).abs().max().item() < 1e-12, (name, seed)
         assert got[1][0].item() == INF and torch.equal(got[0][0], torch.zeros(DIM, dtype=torch.float64))
+
+
+def test_stacked_merge_equals_one_softmax():
+    """Three disjoint key sets stacked and merged at once equal one softmax over their union, with
+    rows where some or all sets are empty (the all-empty row: the empty partial, no NaN)."""
+    for seed in range(3):
+        scores, values, sets = _inputs(seed)
+        with torch.no_grad():
+            parts = [_partial(scores, values, sets == s) for s in range(3)]
+            out, lse = merge_stacked_partials(torch.stack([o for o, _ in parts]), torch.stack([lse_ for _, lse_ in parts]))
+            want_out, want_lse = _one_softmax(scores, values, sets >= 0)
+        assert torch.equal(lse.isinf(), want_lse.isinf()) and not out.isnan().any()
+        finite = ~want_lse.isinf()
+        assert (lse[finite] - want_lse[finite]).abs().max().item() < 1e-12
+        assert (out[finite] - want_out[finite]).abs().max().item() < 1e-12
+        assert lse[0].item() == INF and torch.equal(out[0], torch.zeros(DIM, dtype=torch.float64))
 
 
 def test_softmax_partial_of_a_row_with_no_visible_key_is_the_empty_partial():

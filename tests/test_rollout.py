@@ -281,16 +281,17 @@ def test_tp2_rollouts_match_tp1(single_process):
 # ----------------------------------------------------------------------------- decode attention
 
 
-@pytest.mark.parametrize("block", [1_000_000, 5])
-def test_decode_attention_equals_one_softmax(block):
+@pytest.mark.parametrize("split", [1_000_000, 5, 23, 1])
+def test_decode_attention_equals_one_softmax(split):
     """[shared batch-1 prompt keys; own keys] with bottom-right causal new queries equals one
-    softmax over the prompt expanded per sample plus the own keys."""
+    softmax over the prompt expanded per sample plus the own keys; the 23 prompt keys in one
+    piece, in 4 pieces of 5 and a rest of 3, in one whole piece, and in 23 pieces of one key."""
     gen = torch.Generator().manual_seed(0)
     prompt, own, seq, batch, heads, groups, dim = 23, 6, 2, 3, 6, 2, 8
     q = torch.randn(seq, batch, heads, dim, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(own, batch, groups, dim, generator=gen, dtype=torch.float64) for _ in range(2))
     pk, pv = (torch.randn(prompt, 1, groups, dim, generator=gen, dtype=torch.float64) for _ in range(2))
-    got = decode_attention(q, k, v, pk, pv, options=KernelOptions(prefix_block=block))
+    got = decode_attention(q, k, v, pk, pv, options=KernelOptions(decode_split_keys=split))
     # reference: the earlier own keys join the prefix (all visible), the newest ``seq`` are causal
     ref_pk = torch.cat([pk.expand(-1, batch, -1, -1), k[: own - seq]])
     ref_pv = torch.cat([pv.expand(-1, batch, -1, -1), v[: own - seq]])

@@ -8,9 +8,10 @@ samples, the bytes a step must read (the weights, the prompt state, each sample'
 state) and the fraction of the GPU's bandwidth that reaches (``--hbm-tbps``, the H200's 4.8 by
 default). Beside it, for each G of ``--hf-group-sizes``, transformers' ``generate`` on the same
 weights, prompt and G (the prompt given G times, as sampling G responses does there: it prefills
-G copies and keeps G caches): its wall time, per-step time after its prefill, and peak memory, or where it runs out
-of memory. With ``--temperature 0`` both decode greedily and the tool records whether their
-tokens agree.
+G copies and keeps G caches): its wall time, prefill and steady per-step time (one call, timed by a
+logits processor, after a warm-up on a short prompt) and peak memory, or where it runs out of
+memory. ``--profile G`` adds the torch profiler's operator tables of G samples decoding. With
+``--temperature 0`` both decode greedily and the tool records whether their tokens agree.
 
 Example (one H200):
     python tools/bench_decode.py --model qwen3.5-0.8b --max-position-embeddings 1100000 \\
@@ -29,6 +30,7 @@ console.quiet_third_party()  # before torch and Megatron load
 
 import torch  # noqa: E402
 
+from megatron_longstraw.attention.kernel_options import KernelOptions  # noqa: E402
 from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
 from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
 from megatron_longstraw.models.builder import build_model  # noqa: E402
@@ -54,7 +56,11 @@ def parse_args(argv=None):
     p.add_argument("--prompt-chunk-size", type=int, default=32768, help="prompt tokens per capture chunk")
     p.add_argument("--max-position-embeddings", type=int, default=None,
                    help="override the preset's position budget (RoPE extrapolation, as Megatron's flag)")
+    p.add_argument("--decode-split-keys", type=int, default=KernelOptions().decode_split_keys,
+                   help="fewest prompt keys per split of a decode step's attention over the pages (as the trainer's flag)")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="the GPU's memory bandwidth, TB/s (H200: 4.8)")
+    p.add_argument("--profile", type=int, default=0, metavar="G",
+                   help="also profile G samples decoding at each prompt length (operator tables beside the results)")
     p.add_argument("--output-dir", default="docs/bench", help="folder for the JSON and Markdown results")
     p.add_argument("--tag", default="", help="suffix for the output file names")
     args = p.parse_args(argv)
@@ -70,6 +76,9 @@ def parse_args(argv=None):
         raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if not args.prompt_lengths or any(n < 1 for n in args.prompt_lengths):
         raise ValueError(f"--prompt-lengths: positive lengths needed, got {args.prompt_lengths}")
+    KernelOptions(decode_split_keys=args.decode_split_keys).validate()
+    if args.profile < 0:
+        raise ValueError(f"--profile must be >= 0 (samples; 0: off), got {args.profile}")
     if any(g < 1 for g in args.group_sizes + args.hf_group_sizes):
         raise ValueError("--group-sizes / --hf-group-sizes: G must be >= 1")
     return args
@@ -153,34 +162,74 @@ def hf_model_like(hf: dict, model, folder: str):
     return reference.to(device()).eval()
 
 
+class StepClock:
+    """A transformers logits processor that only records when each decode step's logits arrive
+    (the GPU synchronized first): the first after the prefill, then one per further token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        _sync()
+        self.times.append(time.perf_counter())
+        return scores
+
+
 def theirs(reference, prompt_ids_P: torch.Tensor, group: int, args) -> dict:
-    """transformers' ``generate`` of ``group`` samples (prefill included), or its out-of-memory."""
+    """transformers' ``generate`` of ``group`` samples, or its out-of-memory: the wall time, the
+    prefill (to the first step's logits) and the per-step time after ``--warmup-steps`` steps, all
+    from one call (``StepClock``). Its kernels were warmed up on a short prompt first."""
+    from transformers import LogitsProcessorList
+
     options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
                    do_sample=args.temperature > 0)
-    inputs = dict(input_ids=prompt_ids_P[None].expand(group, -1).contiguous(),  # G copies, as sampling G does
-                  attention_mask=torch.ones(group, prompt_ids_P.numel(), dtype=torch.long, device=prompt_ids_P.device))
     if args.temperature > 0:
         options.update(temperature=args.temperature, top_k=0, top_p=1.0)
+
+    def generate(ids_P, clock=None):
+        inputs = dict(input_ids=ids_P[None].expand(group, -1).contiguous(),  # G copies, as sampling G does
+                      attention_mask=torch.ones(group, ids_P.numel(), dtype=torch.long, device=ids_P.device))
+        processors = LogitsProcessorList([clock]) if clock is not None else None
+        return reference.generate(**inputs, **options, logits_processor=processors)
+
     out = dict(group=group)
+    clock = StepClock()
     _reset_peak()
     try:
         with torch.no_grad():
+            generate(prompt_ids_P[: min(prompt_ids_P.numel(), 1024)])  # kernels compiled and tuned here
+            _reset_peak()
             _sync()
             start = time.perf_counter()
-            tokens = reference.generate(**inputs, **{**options, "max_new_tokens": 1, "min_new_tokens": 1})
-            _sync()
-            prefill = time.perf_counter() - start
-            start = time.perf_counter()
-            tokens = reference.generate(**inputs, **options)
+            tokens = generate(prompt_ids_P, clock)
             _sync()
             total = time.perf_counter() - start
     except torch.OutOfMemoryError:
         out.update(oom=True, peak_gib=_peak_gib())
         return out
-    out.update(total_s=total, prefill_s=prefill, per_step_s=(total - prefill) / (args.new_tokens - 1),
-               peak_gib=_peak_gib(),
+    elapsed = [t - start for t in clock.times]
+    out.update(total_s=total, prefill_s=elapsed[0],
+               # step k's logits come after k forwards past the prefill's: the steady time per forward
+               per_step_s=step_seconds([t - elapsed[0] for t in elapsed[1:]], args.warmup_steps),  peak_gib=_peak_gib(),
                tokens=tokens[:, prompt_ids_P.numel():].tolist() if args.temperature == 0 else None)
     return out
+
+
+def profile_decode(model, state, group: int, args, generator, path) -> None:
+    """A torch profiler's tables of ``group`` samples decoding ``--new-tokens`` tokens (by self GPU
+    time and by CPU time, per operator) written to ``path``: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        generate_from_state(model, state, group, args.new_tokens, temperature=args.temperature, eos_id=None,
+                            generator=generator)
+        _sync()
+    table = prof.key_averages()
+    by_device = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    path.write_text(f"{group} samples, {args.new_tokens} tokens\n\nby self device time:\n"
+                    + table.table(sort_by=by_device, row_limit=30)
+                    + "\n\nby CPU time (with children):\n" + table.table(sort_by="cpu_time_total", row_limit=30))
 
 
 def run(args) -> list[dict]:
@@ -188,7 +237,8 @@ def run(args) -> list[dict]:
     if args.max_position_embeddings:
         hf["max_position_embeddings"] = args.max_position_embeddings
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model = build_model(hf, ModelOptions(params_dtype=dtype)).eval()
+    kernels = KernelOptions(decode_split_keys=args.decode_split_keys)
+    model = build_model(hf, ModelOptions(params_dtype=dtype, kernel_options=kernels)).eval()
     scratch = tempfile.TemporaryDirectory()
     reference = hf_model_like(hf, model, scratch.name) if args.hf_group_sizes else None
     generator = torch.Generator(device=device()).manual_seed(0)
@@ -206,6 +256,12 @@ def run(args) -> list[dict]:
         try:
             for group in args.group_sizes:
                 point["ours"].append(ours(model, state, group, args, generator, bound=reads_everything(hf)))
+            if args.profile:
+                from pathlib import Path
+
+                Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+                profile_decode(model, state, args.profile, args, generator,
+                               Path(args.output_dir) / f"{bench_stem('decode', args.model, args.tag)}_profile_{length}.txt")
         finally:
             state.free()
         for group in args.hf_group_sizes:
@@ -242,15 +298,16 @@ def write(results, args, command) -> None:
     hf_rows = [(p, r) for p in results for r in p["hf"]]
     if hf_rows:
         lines += ["", "transformers `generate`, same weights, prompt and G (prefill included in its wall time):", "",
-                  "| prompt | G | wall s | prefill s | ms / step after prefill | peak GiB | greedy tokens equal ours |",
+                  "| prompt | G | wall s | prefill s | ms / step (steady) | peak GiB | greedy tokens equal ours |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for p, r in hf_rows:
             if r.get("oom"):
                 lines.append(f"| {p['prompt_length']:,} | {r['group']} | out of memory | | | "
                              f"{'' if r['peak_gib'] is None else f'>{r['peak_gib']:.1f}'} | |")
                 continue
+            step = f"{r['per_step_s'] * 1e3:.2f}"
             lines.append(f"| {p['prompt_length']:,} | {r['group']} | {r['total_s']:.2f} | {r['prefill_s']:.2f} "
-                         f"| {r['per_step_s'] * 1e3:.2f} | {'' if r['peak_gib'] is None else f'{r['peak_gib']:.1f}'} "
+                         f"| {step} | {'' if r['peak_gib'] is None else f'{r['peak_gib']:.1f}'} "
                          f"| {r.get('tokens_match', '')} |")
     write_bench_files(args.output_dir, bench_stem("decode", args.model, args.tag), dict(command=command, results=results),
                       lines)

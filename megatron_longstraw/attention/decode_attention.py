@@ -5,9 +5,13 @@ captured once and shared by every sample), then the sample's own keys ``[t, b, g
 (its earlier generated tokens and, last, the new ones; causal with bottom-right alignment:
 the ``i``-th of ``s`` new queries sees own keys ``0 .. t - s + i``). The two parts are computed
 separately and merged exactly by log-sum-exp. The prompt part folds every sample's queries that
-share a KV group into one query sequence over the batch-1 pages (``merge_prefix_blocks``, the
-same kernels and blocking as replay's GPU path; plain torch on the CPU), so the pages are never
-expanded or copied per sample. The own-key part is small (``t`` is at most the response length)
+share a KV group into one query sequence over the batch-1 pages (the fused kernels of replay's
+GPU path; plain torch on the CPU), so the pages are never expanded or copied per sample. A
+step's queries are few (G x heads per group), and a fused kernel spreads its work over query
+blocks and heads, so one call over the pages would keep only a few multiprocessors reading
+them; the pages are instead viewed as splits of at least ``decode_split_keys`` keys, one per
+batch entry of a single call, and the splits' partials merged by log-sum-exp (as
+flash-decoding does). The own-key part is small (``t`` is at most the response length)
 and runs in plain fp32 torch.
 
 Context parallelism (``core/collectives.py``): every CP rank decodes the same samples
@@ -22,11 +26,11 @@ from typing import Optional
 
 import torch
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.attention.kernel_options import MAX_DECODE_SPLITS, KernelOptions
 from megatron_longstraw.attention.partials import (
     default_scale, empty_partial, expand_groups, kernel_settings, merge_partials, merge_partials_over_group,
-    softmax_partial)
-from megatron_longstraw.attention.prefix_attention_cuda import merge_prefix_blocks
+    merge_stacked_partials, softmax_partial)
+from megatron_longstraw.attention.prefix_attention_cuda import fold_groups, kernel_forward, unfold_groups
 
 
 def _own_keys_part(q_BHSD, k_BGTD, v_BGTD, scale):
@@ -42,14 +46,49 @@ def _own_keys_part(q_BHSD, k_BGTD, v_BGTD, scale):
     return probs_BHST @ v_BHTD, lse_BHS
 
 
+def split_length(pages: int, options: KernelOptions) -> int:
+    """Keys per split of ``pages`` prompt keys: at least ``decode_split_keys``, and few enough splits
+    (at most ``MAX_DECODE_SPLITS``) that their batched call and merge stay small."""
+    return max(options.decode_split_keys, -(-pages // MAX_DECODE_SPLITS))
+
+
+def _pages_partial(backend, q_1GND, pk_1GPD, pv_1GPD, scale, length):
+    """``(out [1, groups, n, d_v], lse [1, groups, n])`` of the folded queries over the pages, split
+    into pieces of ``length`` keys: the whole pieces as the batch of one kernel call (the pages
+    viewed, not copied; the queries repeated per piece), the rest in one more call, all merged."""
+    groups, pages = pk_1GPD.shape[1], pk_1GPD.shape[2]
+    whole = pages // length * length
+    parts = []
+    if whole:
+        pieces = whole // length
+        k_NGLD = pk_1GPD[0, :, :whole].unflatten(1, (pieces, length)).transpose(0, 1)
+        v_NGLD = pv_1GPD[0, :, :whole].unflatten(1, (pieces, length)).transpose(0, 1)
+        q_NGQD = q_1GND.expand(pieces, -1, -1, -1).contiguous()
+        out_NGQD, lse_NGQ, _ = kernel_forward(backend, q_NGQD, k_NGLD, v_NGLD, False, scale)
+        parts.append(merge_stacked_partials(out_NGQD, lse_NGQ))
+    if whole < pages:
+        out_1GQD, lse_1GQ, _ = kernel_forward(backend, q_1GND, pk_1GPD[:, :, whole:], pv_1GPD[:, :, whole:],
+                                              False, scale)
+        compute = torch.promote_types(out_1GQD.dtype, torch.float32)
+        parts.append((out_1GQD[0].to(compute), lse_1GQ[0].to(compute)))
+    out_GQD, lse_GQ = parts[0] if len(parts) == 1 else merge_partials(*parts[0], *parts[1])
+    assert groups == out_GQD.shape[0], (groups, out_GQD.shape)
+    return out_GQD[None], lse_GQ[None]
+
+
 def _prompt_part(q_SBHD, prompt_k_SBGD, prompt_v_SBGD, scale, options, acc_BHSD, lse_BHS):
-    """The partial ``(acc, lse)`` merged with the queries' attention over the prompt pages
-    (folded over the samples, in blocks: ``merge_prefix_blocks``)."""
-    backend, block = kernel_settings(q_SBHD, options)
-    acc_BHSD, lse_BHS, _, _ = merge_prefix_blocks(
-        backend, block, q_SBHD.permute(1, 2, 0, 3).contiguous(), prompt_k_SBGD.permute(1, 2, 0, 3),
-        prompt_v_SBGD.permute(1, 2, 0, 3), scale, acc_BHSD, lse_BHS)
-    return acc_BHSD, lse_BHS
+    """The partial ``(acc, lse)`` merged with the queries' attention over the prompt pages: the
+    queries that share a KV group folded over the samples and heads (``fold_groups``), the pages
+    split (``split_length``, ``_pages_partial``) so that the call keeps the GPU busy."""
+    backend, _ = kernel_settings(q_SBHD, options)
+    q_BHSD = q_SBHD.permute(1, 2, 0, 3)
+    pk_1GPD, pv_1GPD = prompt_k_SBGD.permute(1, 2, 0, 3), prompt_v_SBGD.permute(1, 2, 0, 3)
+    q_1GND = fold_groups(q_BHSD.contiguous(), pk_1GPD.shape[1])
+    pages_1GND, pages_lse_1GN = _pages_partial(backend, q_1GND, pk_1GPD, pv_1GPD, scale,
+                                               split_length(pk_1GPD.shape[2], options))
+    pages_BHSD = unfold_groups(pages_1GND, q_BHSD.shape[:3] + (pv_1GPD.shape[-1],))
+    pages_lse_BHS = unfold_groups(pages_lse_1GN.unsqueeze(-1), q_BHSD.shape[:3] + (1,)).squeeze(-1)
+    return merge_partials(acc_BHSD, lse_BHS, pages_BHSD, pages_lse_BHS)
 
 
 @torch.no_grad()

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 ATTENTION_BACKENDS = ("cudnn", "flash", "emulated")
 DSA_TOPK_MODES = ("packed", "float")
+MAX_DECODE_SPLITS = 256
+"""At most this many splits of the pages per decode attention call (``decode_split_keys``)."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,12 @@ class KernelOptions:
     prefix_block: int = 262_144
     """Prompt keys per fused-kernel call of full attention: the bound of one call's transients
     (in backward the blocks' dK/dV, kept only where the pages require a gradient)."""
+
+    decode_split_keys: int = 1024
+    """Fewest prompt keys per split of a decode step's attention over the pages. A step's few
+    queries would keep only a handful of the GPU's multiprocessors busy in one fused call, so the
+    pages are cut into at most ``MAX_DECODE_SPLITS`` splits of at least this many keys, computed
+    in one batched call (one split per batch entry) and merged by log-sum-exp."""
 
     dsa_key_block: int = 16384
     """DSA indexer keys scored at a time by the blockwise top-k."""
@@ -54,7 +62,7 @@ class KernelOptions:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
-        for name in ("prefix_block", "dsa_key_block", "dsa_score_elements", "dsa_gather_elements"):
+        for name in ("prefix_block", "decode_split_keys", "dsa_key_block", "dsa_score_elements", "dsa_gather_elements"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")

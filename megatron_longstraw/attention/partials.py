@@ -76,6 +76,21 @@ def merge_partials(out_a_XD: torch.Tensor, lse_a_X: torch.Tensor, out_b_XD: torc
     return out_XD, lse_X
 
 
+def merge_stacked_partials(out_NXD: torch.Tensor, lse_NX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact merge ``(out [..., d], lse [...])`` of ``n`` partials over disjoint keys stacked on
+    the first dimension (``[n, ..., d]``, ``[n, ...]``), in fp32 at least; empty where all are."""
+    compute = torch.promote_types(out_NXD.dtype, torch.float32)
+    lse_NX = lse_NX.to(compute)
+    top_X = lse_NX.amax(0)
+    top_X = torch.where(top_X > _EMPTY, top_X, 0.0)  # all empty: weights 0, not NaN
+    weight_NX = (lse_NX - top_X).exp()
+    total_X = weight_NX.sum(0)
+    seen_X = total_X > 0
+    total_X = torch.where(seen_X, total_X, 1.0)
+    out_XD = (out_NXD.to(compute) * weight_NX[..., None]).sum(0) / total_X[..., None]
+    return out_XD, torch.where(seen_X, top_X + total_X.log(), _EMPTY)
+
+
 def _sum_over_group(group):
     def all_reduce(packed: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(packed, group=group)

@@ -92,13 +92,13 @@ def kernel_backward(backend, grad, q, k, v, out, lse, aux, causal, scale):
         grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
 
 
-def _fold(x_BHSD, groups):
+def fold_groups(x_BHSD, groups):
     """[b, h, s, d] -> [1, groups, b * (h / groups) * s, d] (queries sharing one KV group)."""
     b, h, s, d = x_BHSD.shape
     return x_BHSD.reshape(b, groups, h // groups, s, d).transpose(0, 1).reshape(1, groups, -1, d)
 
 
-def _unfold(x_1GND, shape_BHSD):
+def unfold_groups(x_1GND, shape_BHSD):
     b, h, s, d = shape_BHSD
     groups = x_1GND.shape[1]
     return x_1GND.reshape(groups, b, h // groups, s, -1).transpose(0, 1).reshape(b, h, s, -1)
@@ -117,14 +117,14 @@ def merge_prefix_blocks(backend, block, q_BHSD, pk_1GPD, pv_1GPD, scale, acc_BHS
     sample or head: the queries that share a KV group are folded into one query sequence.
     """
     groups = pk_1GPD.shape[1]
-    q1 = _fold(q_BHSD, groups)
+    q1 = fold_groups(q_BHSD, groups)
     aux_prefix = []
     for start, end in _blocks(pk_1GPD, block):
         out_b, lse_b, aux = kernel_forward(backend, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end],
                                            False, scale)
         aux_prefix.append(aux)
-        out_b = _unfold(out_b, q_BHSD.shape)
-        lse_b = _unfold(lse_b.unsqueeze(-1), q_BHSD.shape).squeeze(-1)
+        out_b = unfold_groups(out_b, q_BHSD.shape)
+        lse_b = unfold_groups(lse_b.unsqueeze(-1), q_BHSD.shape).squeeze(-1)
         acc_BHSD, lse_BHS = merge_partials(acc_BHSD, lse_BHS, out_b, lse_b)
     return acc_BHSD, lse_BHS, q1, aux_prefix
 
@@ -186,15 +186,15 @@ def prefix_blocks_grads(backend, block, grad_BHSD, q_BHSD, q1, pk_1GPD, pv_1GPD,
     wanted; each block's dK/dV of the folded call is written into its slice (the blocks are
     disjoint, so each entry is written once, as the kernel rounded it)."""
     groups = pk_1GPD.shape[1]
-    grad1, out1 = _fold(grad_BHSD, groups), _fold(out_BHSD, groups)
-    lse1 = _fold(lse_BHS.unsqueeze(-1), groups).squeeze(-1).contiguous()
+    grad1, out1 = fold_groups(grad_BHSD, groups), fold_groups(out_BHSD, groups)
+    lse1 = fold_groups(lse_BHS.unsqueeze(-1), groups).squeeze(-1).contiguous()
     dq = torch.zeros_like(q_BHSD)
     dpk_1GPD = torch.zeros_like(pk_1GPD) if want_dpk else None
     dpv_1GPD = torch.zeros_like(pv_1GPD) if want_dpv else None
     for (start, end), aux in zip(_blocks(pk_1GPD, block), aux_blocks):
         dq1, dk1, dv1 = kernel_backward(backend, grad1, q1, pk_1GPD[:, :, start:end], pv_1GPD[:, :, start:end],
                                         out1, lse1, aux, False, scale)[:3]
-        dq = dq + _unfold(dq1, q_BHSD.shape)
+        dq = dq + unfold_groups(dq1, q_BHSD.shape)
         if dpk_1GPD is not None:
             dpk_1GPD[:, :, start:end] = dk1
         if dpv_1GPD is not None:

@@ -35,6 +35,7 @@ from megatron_longstraw.core.state_grad import read_with_grad
 
 
 @dataclass
+
 class GatedDeltaState(LayerState):
     """fp32 recurrent state ``[b, heads_v, d_k, d_v]`` after the last prompt token and the conv
     tail, the last ``kernel - 1`` conv inputs ``[b, channels, kernel - 1]`` (this rank's heads)."""
@@ -54,6 +55,15 @@ class GatedDeltaState(LayerState):
         """Drop the tensors, the chunk-start states and the gradient buffers."""
         super().free()
         self.chunk_starts.clear()
+
+
+
+def _recurrent_kernel():
+    """fla's fused recurrent delta rule, for decoding: a step's one or few tokens in one kernel
+    launch, where the chunked kernel (capture, replay) launches a dozen; the same recurrence."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    return fused_recurrent_gated_delta_rule
 
 
 def _batch_to(state: torch.Tensor, batch: int) -> torch.Tensor:
@@ -193,7 +203,8 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
                                                                     cp_group, gather)
         else:
             recurrent = _batch_to(start_recurrent, batch) if stateful else None
-            core_out, recurrent_final = self.gated_delta_rule(
+            kernel = _recurrent_kernel() if mode == Mode.DECODE and query.is_cuda else self.gated_delta_rule
+            core_out, recurrent_final = kernel(
                 query, key, value, g=g, beta=beta, initial_state=recurrent,
                 output_final_state=updates, use_qk_l2norm_in_kernel=False,
             )

@@ -145,6 +145,13 @@ def _grpo(p):
     g.add_argument("--advantage-normalization", default=None, choices=["group-std", "none"],
                    help="default: the loss's own, group-std (dr_grpo: none, the only one it takes)")
     g.add_argument("--entropy-coef", type=float, default=0.0, help="coefficient of the entropy bonus")
+    g.add_argument("--dynamic-sampling", action="store_true",
+                   help="DAPO's dynamic sampling: a prompt group whose G rewards are all equal (zero advantages) is "
+                        "dropped once scored and the next prompt drawn in its place (logged: "
+                        "dynamic_sampling/skipped_frac)")
+    g.add_argument("--dynamic-sampling-max-draws", type=int, default=4,
+                   help="with --dynamic-sampling: prompts drawn at most per group of the step; the last draw "
+                        "is trained whatever its rewards")
 
 
 def _rollout(p):
@@ -236,6 +243,9 @@ def add_kernel_flags(g) -> None:
                         "interface in plain torch (also on a CPU, for tests)")
     g.add_argument("--prefix-block", type=int, default=d.prefix_block,
                    help="prompt keys per fused full-attention call (bounds one call's transients)")
+    g.add_argument("--decode-split-keys", type=int, default=d.decode_split_keys,
+                   help="fewest prompt keys per split of a decode step's attention over the pages (the splits "
+                        "run as one batched call and merge by log-sum-exp)")
     g.add_argument("--dsa-key-block", type=int, default=d.dsa_key_block,
                    help="DSA indexer keys scored at a time by the blockwise top-k")
     g.add_argument("--dsa-score-elements", type=int, default=d.dsa_score_elements,
@@ -346,6 +356,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.data_path != "synthetic" and args.rollout_source == "internal" and not os.path.isfile(args.data_path):
         raise ValueError(f"--data-path {args.data_path}: no such file")
     _curriculum_and_evaluation(args)
+    _dynamic_sampling(args)
     if args.tokenizer_type != "NullTokenizer" and not args.tokenizer_model:
         raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
     extra_family = None
@@ -373,6 +384,17 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ValueError("--context-parallel-size > 1 needs --replay-mode longstraw (the full-graph "
                          "baseline has no CP path)")
     return args
+
+
+def _dynamic_sampling(args) -> None:
+    """``--dynamic-sampling``: its draw limit, and no expert parallelism (whose ranks exchange tokens
+    in every MoE pass: a rank capturing a redrawn prompt while another replays would not pair up)."""
+    if args.dynamic_sampling_max_draws < 1:
+        raise ValueError(f"--dynamic-sampling-max-draws must be >= 1, got {args.dynamic_sampling_max_draws}")
+    if args.dynamic_sampling and args.expert_model_parallel_size > 1:
+        raise ValueError(f"--dynamic-sampling does not run with --expert-model-parallel-size "
+                         f"{args.expert_model_parallel_size}: a rank that redraws captures while the others replay, and "
+                         "expert-parallel ranks must run their MoE passes in step")
 
 
 def _curriculum_and_evaluation(args) -> None:

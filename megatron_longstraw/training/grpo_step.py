@@ -25,6 +25,7 @@ from megatron_longstraw.longstraw.prompt_backward import prompt_backward
 from megatron_longstraw.longstraw.replay import replay_hidden, replay_responses
 from megatron_longstraw.rewards.scoring import score_group
 from megatron_longstraw.rollout.generate import generate_from_state
+from megatron_longstraw.training.dynamic_sampling import agree_uniform
 from megatron_longstraw.training.progress import progress_bar
 
 
@@ -91,10 +92,14 @@ def score_logprobs(model, state, prompt_ids_1S, responses, args) -> list[torch.T
 
 
 def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, generator: torch.Generator,
-                groups_per_rank: int, reference=None, clock: PhaseClock) -> dict:
-    """Process one prompt group, accumulating gradients in ``model``; returns its metrics."""
+                groups_per_rank: int, reference=None, clock: PhaseClock, drop_uniform: bool = False) -> Optional[dict]:
+    """Process one prompt group, accumulating gradients in ``model``; returns its metrics.
+    ``drop_uniform`` (dynamic sampling): a group whose rewards are all equal is left untrained
+    once they are known (before its capture when they come with it), and ``None`` is returned."""
     prompt_ids_1S = group.prompt_ids_S[None]
     exact = args.prompt_gradient == "exact"
+    if drop_uniform and group.rewards_G is not None and agree_uniform(group.rewards_G):
+        return None  # rewards from the rollout file: nothing to capture
     with clock("capture"), progress_bar(prompt_ids_1S.shape[1], "capture", args) as bar:
         state = capture_prompt(model, prompt_ids_1S, args.prompt_chunk_size, progress=bar.update, exact=exact)
     try:
@@ -112,6 +117,8 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
                 group.rewards_G = _same_on_tp_ranks(score_group(
                     reward_fn, group.prompt_ids_S, group.responses, group.answer, group.metadata,
                     source=group.source).to(prompt_ids_1S.device))
+        if drop_uniform and agree_uniform(group.rewards_G):
+            return None  # the finally below frees the state
         advantages_G = group_advantages(group.rewards_G.float(), args.advantage_normalization)
         with clock("scoring"):
             old_logprobs = score_logprobs(model, state, prompt_ids_1S, group.responses, args)

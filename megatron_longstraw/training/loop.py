@@ -12,6 +12,7 @@ from megatron_longstraw.distributed import device
 from megatron_longstraw.grpo.registry import get_policy_loss
 from megatron_longstraw.training.checkpoint import (
     checkpoint_iteration, load_checkpoint, run_assets, save_checkpoint, set_aside_tracker)
+from megatron_longstraw.training.dynamic_sampling import fill_groups
 from megatron_longstraw.training.evaluation import evaluate
 from megatron_longstraw.training.grpo_step import PhaseClock, train_group
 from megatron_longstraw.training.metrics import reduce_step_metrics, throughput_metrics
@@ -67,10 +68,14 @@ def train(args):
             optimizer.zero_grad()
             if args.curriculum is not None:  # the curriculum: a function of the step alone
                 source.set_prompt_length(args.curriculum.length_at(iteration))
-            groups = [train_group(model, source.next_group(), args, reward_fn=reward_fn, eos_id=tokenizer.eos_id,
-                                  generator=generator, groups_per_rank=groups_per_rank, reference=reference,
-                                  clock=clock) for _ in range(groups_per_rank)]
+            groups, sampling_metrics = fill_groups(
+                source.next_group,
+                lambda group, drop_uniform: train_group(
+                    model, group, args, reward_fn=reward_fn, eos_id=tokenizer.eos_id, generator=generator,
+                    groups_per_rank=groups_per_rank, reference=reference, clock=clock, drop_uniform=drop_uniform),
+                groups_per_rank, args.dynamic_sampling_max_draws if args.dynamic_sampling else None)
             metrics = reduce_step_metrics(groups, policy_loss.summed_metrics)
+            metrics.update(sampling_metrics)
             gradient_scale = policy_loss.finish_step(metrics, args)  # the loss's end-of-step normalizer
             if gradient_scale != 1.0:
                 for chunk in ddp:

@@ -23,14 +23,17 @@ def _rel_norm(a, b):
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
-@pytest.mark.parametrize("dim,batch,prompt,own,seq,block", [(256, 8, 3000, 37, 1, 262144), (128, 3, 517, 5, 2, 128)])
-def test_decode_attention_fused_matches_math(backend, dim, batch, prompt, own, seq, block, record_property):
+@pytest.mark.parametrize("dim,batch,prompt,own,seq,split", [(256, 8, 3000, 37, 1, 1024), (128, 3, 517, 5, 2, 128),
+                                                             (256, 8, 700, 9, 1, 1024)])
+def test_decode_attention_fused_matches_math(backend, dim, batch, prompt, own, seq, split, record_property):
+    """The pages in whole splits and a rest (3000 = 2 x 1024 + 952; 517 = 4 x 128 + 5) or in one
+    call (700 < 1024), on the fused kernels, against the fp64 math."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads, groups = 8, 2
     rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)  # noqa: E731
     q, k, v = rand(seq, batch, heads, dim), rand(own, batch, groups, dim), rand(own, batch, groups, dim)
     pk, pv = rand(prompt, 1, groups, dim), rand(prompt, 1, groups, dim)
-    got = decode_attention(q, k, v, pk, pv, options=KernelOptions(attention_backend=backend, prefix_block=block))
+    got = decode_attention(q, k, v, pk, pv, options=KernelOptions(attention_backend=backend, decode_split_keys=split))
     ref_pk = torch.cat([pk.expand(-1, batch, -1, -1), k[: own - seq]]).double()
     ref_pv = torch.cat([pv.expand(-1, batch, -1, -1), v[: own - seq]]).double()
     want = prefix_causal_attention_math(q.double(), k[own - seq:].double(), v[own - seq:].double(), ref_pk, ref_pv)
