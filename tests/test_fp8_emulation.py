@@ -117,8 +117,13 @@ def test_sensitivity_tool_end_to_end(tmp_path):
     from megatron_longstraw.models.presets import resolve_hf_config
 
     layers = resolve_hf_config("qwen3.5-debug")["num_hidden_layers"]
-    assert len(variants) == 5 and len(report["layer_rel_err"]) == layers + 1  # and the final norm
+    assert len(variants) == 6 and len(report["layer_rel_err"]) == layers + 1  # and the final norm
     assert 0 < variants["fp8 tensorwise"]["cosine"] < variants["bf16 GEMM operands"]["cosine"] < 1
+    # FP8 attention in capture moves the log-probs after the prompt, and the gradients less than
+    # FP8 GEMMs everywhere do (only the prompt's attention rounds)
+    attention = variants["fp8 attention in capture"]
+    assert attention["logprob_abs_diff"] > 0 and variants["bf16 GEMM operands"]["logprob_abs_diff"] > 0
+    assert variants["fp8 tensorwise"]["cosine"] < attention["cosine"] < 1
     assert (tmp_path / "fp8_sensitivity_qwen3.5-debug.md").read_text().startswith("# FP8 sensitivity")
     bad = subprocess.run([sys.executable, str(tool), "--prompt-length", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == "error: --prompt-length must be >= 1"
@@ -145,3 +150,71 @@ def test_delayed_scales_move_only_with_gradients_enabled(single_process):
         torch.testing.assert_close(y, cast(4 * x, x.abs().max()), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(y_moved, cast(4 * x, 6 * x.abs().max()), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(y_fresh, cast(4 * x, None), rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- FP8 attention
+
+
+def _attention_inputs(dtype=torch.float64, seed=0, prefix=19, seq=7, batch=3, heads=4, groups=2, dim=16):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=dtype)  # noqa: E731
+    return (rand(seq, batch, heads, dim), rand(seq, batch, groups, dim), rand(seq, batch, groups, dim),
+            rand(prefix, 1, groups, dim), rand(prefix, 1, groups, dim))
+
+
+def test_fp8_attention_without_its_casts_is_exact_attention(monkeypatch):
+    """The emulation's structure (pages shared over the samples, causal chunk, grouped heads,
+    normalization by the uncast row sums) with every cast made exact equals the fp64 reference."""
+    from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
+    from megatron_longstraw.testing import fp8_attention_emulation
+
+    inputs = _attention_inputs()
+    monkeypatch.setattr(fp8_attention_emulation, "quantize_dequantize", lambda t, dtype, amax=None: t)
+    got = fp8_attention_emulation.fp8_prefix_attention(*inputs, scale=0.3)
+    want = prefix_causal_attention_math(*inputs, scale=0.3)
+    assert (got - want).abs().max().item() < 1e-12
+    no_prefix = fp8_attention_emulation.fp8_prefix_attention(*inputs[:3], None, None)
+    assert (no_prefix - prefix_causal_attention_math(*inputs[:3])).abs().max().item() < 1e-12
+
+
+def test_fp8_attention_error_is_of_e4m3_size():
+    """With its casts, the output moves by E4M3's rounding (3 mantissa bits: a relative step of
+    1/8 at most), far more than bf16 rounding of the same operands and far less than the output."""
+    from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
+    from megatron_longstraw.testing.fp8_attention_emulation import fp8_prefix_attention
+
+    inputs = _attention_inputs(prefix=200, seq=32, dim=64)
+    want = prefix_causal_attention_math(*inputs)
+    fp8 = (fp8_prefix_attention(*inputs) - want).norm() / want.norm()
+    bf16 = (prefix_causal_attention_math(*(t.to(torch.bfloat16).double() for t in inputs)) - want).norm() / want.norm()
+    assert 4 * bf16 < fp8 < 0.1, (fp8.item(), bf16.item())
+
+
+def test_capture_hook_changes_the_capture_only(single_process):
+    """Inside ``emulated_fp8_capture_attention`` the capture's full-attention layers call the
+    emulation once per chunk and layer, replay calls it never, the state's last logits move, and
+    leaving restores the hooks."""
+    from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
+    from megatron_longstraw.longstraw.capture import capture_prompt
+    from megatron_longstraw.longstraw.replay import replay_responses
+    from megatron_longstraw.testing import fp8_attention_emulation
+
+    model = _tiny_model()
+    cores = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
+    calls = []
+    real = fp8_attention_emulation.fp8_prefix_attention
+    prompt = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    response = torch.randint(0, 200, (6,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = capture_prompt(model, prompt, 16)
+    with fp8_attention_emulation.emulated_fp8_capture_attention(model):
+        for core in cores:
+            core.capture_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
+        with torch.no_grad():
+            fp8 = capture_prompt(model, prompt, 16)
+        assert len(calls) == 3 * len(cores)  # chunks of 16, 16 and 8
+        replay_responses(model, fp8, [response], lambda lp, mask, idx: -(lp * mask).sum(), 1)
+        assert len(calls) == 3 * len(cores)
+    assert all(core.capture_attention is None for core in cores)
+    moved = (fp8.last_logits_BV - plain.last_logits_BV).abs().max().item()
+    assert 0 < moved < 0.1 * plain.last_logits_BV.abs().max().item()

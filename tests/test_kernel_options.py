@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("field,value,flag", [
     ("attention_backend", "cuda", "--attention-backend"), ("prefix_block", 0, "--prefix-block"),
     ("dsa_key_block", -3, "--dsa-key-block"), ("dsa_score_elements", 2.5, "--dsa-score-elements"),
-    ("dsa_gather_elements", 0, "--dsa-gather-elements"), ("dsa_topk", "sorted", "--dsa-topk")])
+    ("dsa_gather_elements", 0, "--dsa-gather-elements"), ("dsa_topk", "sorted", "--dsa-topk"),
+    ("decode_split_keys", 0, "--decode-split-keys")])
 def test_bad_options_name_their_flag(field, value, flag):
     KernelOptions().validate()
     with pytest.raises(ValueError, match=f"^{flag} must be"):
@@ -35,8 +36,9 @@ def test_bad_options_name_their_flag(field, value, flag):
 
 def test_trainer_and_benchmark_parse_the_kernel_flags():
     flags = ["--attention-backend", "flash", "--prefix-block", "9", "--dsa-key-block", "8", "--dsa-score-elements",
-             "700", "--dsa-gather-elements", "600", "--dsa-topk", "float"]
-    want = KernelOptions("flash", 9, 8, 700, 600, "float")
+             "700", "--dsa-gather-elements", "600", "--dsa-topk", "float", "--decode-split-keys", "5"]
+    want = KernelOptions(attention_backend="flash", prefix_block=9, dsa_key_block=8, dsa_score_elements=700,
+                         dsa_gather_elements=600, dsa_topk="float", decode_split_keys=5)
     assert parse_args([]).kernels == KernelOptions()
     assert parse_args(flags).kernels == want
     with pytest.raises(ValueError, match="--prefix-block must be an integer >= 1, got 0"):

@@ -1,10 +1,13 @@
 """How far FP8 GEMM numerics move a model's LongStraw replay gradients, measured without
 Transformer Engine: the local-spec model in fp32 on CPU (or GPU), its linear layers switched to
-emulated FP8 (``testing/fp8_emulation.py``), against the same model without FP8.
+emulated FP8 (``testing/fp8_emulation.py``), or its capture's attention
+(``testing/fp8_attention_emulation.py``: what ``--fp8-attention capture`` does to the numerics),
+against the same model without FP8.
 
 Every variant captures the same prompt and replays the same G responses with the loss of the
 GPU FP8 test (``-sum(logprobs) / response tokens``) and reports the loss's relative error, the
-whole-model gradient cosine and the parameters that pull it down. A forward of one response
+whole-model gradient cosine, the parameters that pull it down, and how far the log-probabilities
+after the prompt (from the capture alone) move. A forward of one response
 reports how the relative error of the hidden states grows layer by layer under FP8. If the
 emulation's cosine is as low as Transformer Engine's, the low cosine is FP8's own effect on the
 model; if TE's is lower, TE adds an error of its own.
@@ -23,6 +26,9 @@ from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, d
 from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from megatron_longstraw.longstraw.capture import capture_prompt
+from megatron_longstraw.rollout.generate import full_vocab_logits
+from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capture_attention
 from megatron_longstraw.testing.fp8_emulation import emulated_fp8_linears, switched_linears
 from megatron_longstraw.testing.parity import replay_gradients
 from bench_output import bench_stem, write_bench_files  # tools/, beside this script
@@ -33,6 +39,7 @@ VARIANTS = {  # name: (recipe, passes); "bf16" rounds the same GEMM operands to 
     "fp8 tensorwise, forward only": ("tensorwise", "forward"),
     "fp8 tensorwise, backward only": ("tensorwise", "backward"),
     "bf16 GEMM operands": None,
+    "fp8 attention in capture": "attention",  # the capture's attention, emulated; GEMMs exact
 }
 
 
@@ -71,6 +78,25 @@ def bf16_linears(model):
         return out if bias is None else out + bias
 
     return switched_linears(model, lambda: forward_impl)
+
+
+def switch_for(model, spec):
+    """The context that applies a ``VARIANTS`` entry to ``model``."""
+    if spec is None:
+        return bf16_linears(model)
+    if spec == "attention":
+        return emulated_fp8_capture_attention(model)
+    return emulated_fp8_linears(model, *spec)
+
+
+@torch.no_grad()
+def last_logprobs(model, prompt_1S, chunk_size: int) -> torch.Tensor:
+    """The log-probabilities after the prompt (the first sampled token's), from one capture."""
+    state = capture_prompt(model, prompt_1S, chunk_size)
+    try:
+        return full_vocab_logits(model, state.last_logits_BV).log_softmax(-1)
+    finally:
+        state.free()
 
 
 def compare(reference, measured):
@@ -119,11 +145,13 @@ def main(argv=None) -> None:
                      for _ in range(args.num_generations)]
         start = time.time()
         reference = replay_gradients(model, prompt, responses, args.prompt_chunk_size)
+        reference_logprobs = last_logprobs(model, prompt, args.prompt_chunk_size)
         rows = {}
         for name, spec in VARIANTS.items():
-            switch = bf16_linears(model) if spec is None else emulated_fp8_linears(model, *spec)
-            with switch:
+            with switch_for(model, spec):
                 rows[name] = compare(reference, replay_gradients(model, prompt, responses, args.prompt_chunk_size))
+                rows[name]["logprob_abs_diff"] = (last_logprobs(model, prompt, args.prompt_chunk_size)
+                                                  - reference_logprobs).abs().mean().item()
             print(f"{name}: cosine {rows[name]['cosine']:.4f}", flush=True)
         layers = layer_errors(model, responses[0][None])
         seconds = time.time() - start
@@ -137,12 +165,14 @@ def write_report(args, command, hf, rows, layers, seconds) -> None:
              f"Command: `{command}` ({seconds:.0f} s)", "",
              f"Prompt {args.prompt_length} tokens, {args.num_generations} responses of {args.response_length}; "
              "reference: the same model without rounding, fp32.", "",
-             "| variant | loss rel. error | gradient cosine | weakest large parameter (cosine, share of grad norm) |",
-             "| --- | --- | --- | --- |"]
+             "| variant | loss rel. error | gradient cosine | last-position log-prob mean abs. diff "
+             "| weakest large parameter (cosine, share of grad norm) |",
+             "| --- | --- | --- | --- | --- |"]
     for name, row in rows.items():
         params = [(c, w, n) for n, (c, w) in row["per_param"].items()]
         c, w, n = min([p for p in params if p[1] >= 0.01] or params)
-        lines.append(f"| {name} | {row['loss_rel_err']:.1e} | {row['cosine']:.4f} | `{n}` {c:.3f}, {w:.0%} |")
+        lines.append(f"| {name} | {row['loss_rel_err']:.1e} | {row['cosine']:.4f} | {row['logprob_abs_diff']:.1e} "
+                     f"| `{n}` {c:.3f}, {w:.0%} |")
     shown = [k for k in layers if k == "final norm" or int(k.split()[1]) % 4 == 0 or k == f"layer {len(layers) - 2}"]
     lines += ["", "Hidden-state relative error after each layer, FP8 tensorwise, one forward of a response:", "",
               "| " + " | ".join(shown) + " |", "|" + " --- |" * len(shown),

@@ -12,7 +12,7 @@ backend, prefix block), which the model build sets.
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,10 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
 
     supports_context_parallel = True
     supports_prompt_gradient = True
+    capture_attention: Optional[Callable] = None
+    """Computes the capture's attention in place of ``prefix_causal_attention`` when set (same
+    arguments; without context parallelism): another numerics for the no-grad prompt pass only,
+    e.g. the FP8 emulation (``testing/fp8_attention_emulation.py``)."""
 
     def __init__(
         self,
@@ -129,8 +133,10 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
                 grads = binding.state.grads
                 prefix_k = read_with_grad(prefix_k, grads.buffer("key_SBGD")[:prefix_k.shape[0]])
                 prefix_v = read_with_grad(prefix_v, grads.buffer("value_SBGD")[:prefix_v.shape[0]])
-            out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
-                                               options=self.kernel_options)
+            attend = prefix_causal_attention
+            if binding.mode == Mode.CAPTURE and self.capture_attention is not None:
+                attend = self.capture_attention
+            out_SBHD = attend(query, key, value, prefix_k, prefix_v, self.softmax_scale, options=self.kernel_options)
             if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
                 binding.state.append(key[:binding.valid_length], value[:binding.valid_length])
             return out_SBHD.reshape(seq, batch, -1)
