@@ -1,7 +1,7 @@
 """A real, seeded GRPO run on the CPU that learns, with exact prompt gradients.
 
-The debug hybrid model with a vocabulary of 8 ids (4 markers, 3 content ids, EOS) from random
-weights, the synthetic retrieval task at 24-token prompts with one record, one-token responses
+The debug hybrid model cut to two layers (Gated DeltaNet, then gated attention) with a vocabulary
+of 8 ids (4 markers, 3 content ids, EOS), from random weights, the synthetic retrieval task at 24-token prompts with one record, one-token responses
 and partial credit 0.5: a response earns 0.5 when it is the record's value. A random policy
 earns about 0.5 / 8; one that answers any content id earns 0.5 / 3 (the format ceiling), one
 that reads the prompt 0.5. Forty-five steps of 4 prompts x 8 samples take it from the first to
@@ -46,13 +46,14 @@ def _expected_reward(model, task: KeyValueRetrievalTask, prompts: int) -> float:
 def test_an_exact_mode_run_raises_its_reward(tmp_path, monkeypatch):
     hf = {k: v for k, v in resolve_hf_config("qwen3.5-debug").items() if k != "_source"}
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**hf, "vocab_size": 8}))
+    config.write_text(json.dumps({**hf, "vocab_size": 8, "num_hidden_layers": 2,
+                                  "layer_types": ["linear_attention", "full_attention"]}))
     args = train_grpo.parse_args([
         "--hf-config", str(config), "--prompt-gradient", "exact", "--train-iters", "45", "--global-batch-size", "4",
         "--num-generations", "8", "--lr", "5e-3", "--clip-grad", "1.0", "--synthetic-prompt-length", str(PROMPT),
         "--synthetic-num-records", "1", "--reward-fn", "synthetic_retrieval", "--reward-partial-credit", str(CREDIT),
         "--max-response-length", "1", "--prompt-chunk-size", str(PROMPT), "--replay-micro-batch-size", "8",
-        "--no-save", "--wandb-save-dir", str(tmp_path / "run"), "--wandb-mode", "offline"])
+        "--seed", "1", "--no-save", "--wandb-save-dir", str(tmp_path / "run"), "--wandb-mode", "offline"])
     initial = {}
     build_policy = setup.build_policy
 
@@ -74,7 +75,7 @@ def test_an_exact_mode_run_raises_its_reward(tmp_path, monkeypatch):
     rewards = [json.loads(line)["reward/mean"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rewards) == 45
     assert before == pytest.approx(CREDIT / 8, abs=0.03)  # random weights: about uniform over 8 ids
-    # seeds 1-3 and 1234 measured: 0.059-0.069 -> 0.141-0.167, the format ceiling being 0.167
-    assert after > before + 0.05, (before, after)
+    # measured (seed 1): 0.067 -> 0.158, the format ceiling being 0.167; seeds 2, 3, 1234: +0.05 .. +0.11
+    assert after > before + 0.04, (before, after)
     first, late = sum(rewards[:5]) / 5, sum(rewards[10:]) / len(rewards[10:])
-    assert late > first + 0.03, (first, late, rewards)  # measured +0.06 .. +0.09
+    assert late > first + 0.03, (first, late, rewards)  # measured +0.086 (seeds 2, 3, 1234: +0.07 .. +0.08)

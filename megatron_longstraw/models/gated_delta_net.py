@@ -35,7 +35,6 @@ from megatron_longstraw.core.state_grad import read_with_grad
 
 
 @dataclass
-
 class GatedDeltaState(LayerState):
     """fp32 recurrent state ``[b, heads_v, d_k, d_v]`` after the last prompt token and the conv
     tail, the last ``kernel - 1`` conv inputs ``[b, channels, kernel - 1]`` (this rank's heads)."""
@@ -55,7 +54,6 @@ class GatedDeltaState(LayerState):
         """Drop the tensors, the chunk-start states and the gradient buffers."""
         super().free()
         self.chunk_starts.clear()
-
 
 
 def _recurrent_kernel():
