@@ -41,5 +41,5 @@ def test_decode_bench_end_to_end_and_greedy_parity_with_transformers(tmp_path, p
 
 
 def test_bad_flags_are_one_line(capsys):
-    with pytest.raises(ValueError, match="--new-tokens 4 must exceed --warmup-steps 8"):
-        bench_decode.parse_args(["--new-tokens", "4"])
+    with pytest.raises(ValueError, match=r"--new-tokens 9 must be at least --warmup-steps 8 \+ 2"):
+        bench_decode.parse_args(["--new-tokens", "9"])

@@ -34,7 +34,8 @@ def _fake(rewards: list[list[float]]):
     trained = []
 
     def draw():
-        return SimpleNamespace(rewards_G=torch.tensor(next(queue), dtype=torch.float32))
+        return SimpleNamespace(rewards_G=torch.tensor(next(queue), dtype=torch.float32), responses=[[1]],
+                               prompt_ids_S=torch.zeros(5))
 
     def train(group, drop_uniform):
         if drop_uniform and uniform_rewards(group.rewards_G):
@@ -47,9 +48,10 @@ def _fake(rewards: list[list[float]]):
 
 def test_fill_groups_redraws_uniform_groups_and_keeps_the_last_draw(one_process):
     draw, train, trained = _fake([[0, 1], [1, 1], [0, 0], [1, 0], [1, 1], [1, 1], [0, 0]])
-    kept, metrics = fill_groups(draw, train, slots=3, max_draws=3)
+    kept, metrics, spent = fill_groups(draw, train, slots=3, max_draws=3)
     # slot 1: kept at once; slot 2: two dropped, the third kept; slot 3: two dropped, the last draw kept
     assert trained == [[0, 1], [1, 0], [0, 0]] and len(kept) == 3
+    assert spent == []  # rewards known at the draw (a rollout file's): dropped before any capture
     assert metrics["dynamic_sampling/skipped_frac"] == pytest.approx(4 / 7)
     assert metrics["dynamic_sampling/draws_per_group"] == pytest.approx(7 / 3)
     assert metrics["reward/drawn_mean"] == pytest.approx((0.5 + 1 + 0 + 0.5 + 1 + 1 + 0) / 7)
@@ -57,8 +59,8 @@ def test_fill_groups_redraws_uniform_groups_and_keeps_the_last_draw(one_process)
 
 def test_without_dynamic_sampling_every_group_trains(one_process):
     draw, train, trained = _fake([[1, 1], [0, 1]])
-    kept, metrics = fill_groups(draw, train, slots=2, max_draws=None)
-    assert trained == [[1, 1], [0, 1]] and len(kept) == 2 and metrics == {}
+    kept, metrics, spent = fill_groups(draw, train, slots=2, max_draws=None)
+    assert trained == [[1, 1], [0, 1]] and len(kept) == 2 and metrics == {} and spent == []
 
 
 def _args(tmp_path: Path, *extra: str) -> list[str]:
@@ -84,6 +86,8 @@ def test_a_run_drops_the_groups_of_equal_rewards(tmp_path):
     for row, draws in zip(rows, (3, 4)):  # the dropped groups' rewards are 0: the drawn mean is diluted
         assert row["reward/drawn_mean"] == pytest.approx(row["reward/mean"] * 2 / draws)
         assert row["reward/zero_std_frac"] == 0.0  # only groups with a signal trained
+        # the capture's throughput counts the dropped groups' captures, which its time includes
+        assert row["throughput/capture_tokens_per_s"] * row["time/capture_s"] == pytest.approx(30 * draws)
 
 
 @pytest.mark.parametrize("extra,world,needle", [

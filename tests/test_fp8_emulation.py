@@ -208,6 +208,7 @@ def test_capture_hook_changes_the_capture_only(single_process):
     with torch.no_grad():
         plain = capture_prompt(model, prompt, 16)
     with fp8_attention_emulation.emulated_fp8_capture_attention(model):
+        assert all(core.capture_attention is real for core in cores)  # installed on every core
         for core in cores:
             core.capture_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
         with torch.no_grad():

@@ -507,7 +507,7 @@ def spawned(tmp_path_factory):
     # shards 8|8, 8|8, 3|2 of the 37-token prompt
     glm_cp = one_step + glm + ["--global-batch-size", "1", *internal, "--train-iters", "2", "--lr", "1e-3"]
     # dynamic sampling over DP=2: rank 1 gets the odd prompts, whose rewards are all 0.0 (dropped)
-    dynamic = ["--train-iters", "2", "--global-batch-size", "2", "--num-generations", "3", "--no-save", *quiet,
+    dynamic = ["--train-iters", "1", "--global-batch-size", "2", "--num-generations", "3", "--no-save", *quiet,
                "--synthetic-prompt-length", "30", "--prompt-chunk-size", "16", "--max-response-length", "4",
                "--replay-micro-batch-size", "3", "--lr", "1e-2", "--reward-fn", "reward_fixtures:uniform_on_odd_prompts",
                "--dynamic-sampling", "--dynamic-sampling-max-draws", "2"]
@@ -520,7 +520,7 @@ def spawned(tmp_path_factory):
              "pp2-exact": pp + ["--pipeline-model-parallel-size", "2", *pp_exact],
              "ep-dp": ep_dp + ["--expert-model-parallel-size", "2"],
              "glm-cp-internal": glm_cp + ["--context-parallel-size", "2"],
-             "dp-dynamic": dynamic}),
+             "dp-dynamic": dynamic, "cp-dynamic": dynamic + ["--context-parallel-size", "2"]}),
         (4, {"tp-cp-save": tp_cp + layout + ["--train-iters", "2", "--save", str(tmp / "tp-cp")],
              "tp-cp-resumed": tp_cp + layout + ["--train-iters", "3", "--load", str(tmp / "tp-cp"), "--no-save"]}),
         (1, {**{f"{name}-single": argv for name, argv in {**dp, **cp}.items()},
@@ -572,7 +572,7 @@ def test_dynamic_sampling_keeps_data_parallel_ranks_in_step(spawned):
     """DP=2 with dynamic sampling, at most two draws per group: each draw round hands rank 0 an
     even prompt (kept at once) and rank 1 an odd one (equal rewards). Rank 1 drops prompt 1 and
     trains its last draw, prompt 3, whatever its rewards; rank 0 draws prompt 2 along and leaves
-    it. Per step 3 draws, 1 dropped, one trained group of zero variance, and the ranks end equal."""
+    it. The step has 3 draws, 1 dropped, one trained group of zero variance, and the ranks end equal."""
     runs, _ = spawned
     pair = runs["dp-dynamic"]
     for run in pair:
@@ -581,6 +581,20 @@ def test_dynamic_sampling_keeps_data_parallel_ranks_in_step(spawned):
         assert metrics["dynamic_sampling/draws_per_group"] == pytest.approx(1.5)
         assert metrics["reward/zero_std_frac"] == pytest.approx(0.5)
         assert metrics["optim/grad_norm"] > 0
+    for name, value in pair[0]["params"].items():
+        assert (value == pair[1]["params"][name]).all(), name
+
+
+def test_dynamic_sampling_drops_a_group_on_both_context_parallel_ranks(spawned):
+    """CP=2 (both ranks hold every group: they drop or keep it together, ``agree_uniform`` over
+    the context-parallel group): the single process's draws, keeping prompt 0, dropping 1 and
+    training 2 (1 of 3 draws skipped), and both ranks end equal."""
+    runs, _ = spawned
+    pair = runs["cp-dynamic"]
+    for run in pair:
+        assert run["metrics"]["dynamic_sampling/skipped_frac"] == pytest.approx(1 / 3)
+        assert run["metrics"]["dynamic_sampling/draws_per_group"] == pytest.approx(1.5)
+        assert run["metrics"]["reward/zero_std_frac"] == 0.0
     for name, value in pair[0]["params"].items():
         assert (value == pair[1]["params"][name]).all(), name
 

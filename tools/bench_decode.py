@@ -70,8 +70,8 @@ def parse_args(argv=None):
         raise ValueError(f"--new-tokens must be >= 2 (a step after the first token), got {args.new_tokens}")
     if not args.hbm_tbps > 0:
         raise ValueError(f"--hbm-tbps must be positive, got {args.hbm_tbps}")
-    if args.new_tokens <= args.warmup_steps:
-        raise ValueError(f"--new-tokens {args.new_tokens} must exceed --warmup-steps {args.warmup_steps}")
+    if args.new_tokens < args.warmup_steps + 2:  # transformers' steps are timed after its prefill's token
+        raise ValueError(f"--new-tokens {args.new_tokens} must be at least --warmup-steps {args.warmup_steps} + 2")
     if args.warmup_steps < 0:
         raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if not args.prompt_lengths or any(n < 1 for n in args.prompt_lengths):

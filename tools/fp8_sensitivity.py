@@ -1,7 +1,8 @@
 """How far FP8 GEMM numerics move a model's LongStraw replay gradients, measured without
 Transformer Engine: the local-spec model in fp32 on CPU (or GPU), its linear layers switched to
 emulated FP8 (``testing/fp8_emulation.py``), or its capture's attention
-(``testing/fp8_attention_emulation.py``: what ``--fp8-attention capture`` does to the numerics),
+(``testing/fp8_attention_emulation.py``: what an FP8 attention in the capture does to the numerics;
+models without a full-attention core skip that variant),
 against the same model without FP8.
 
 Every variant captures the same prompt and replays the same G responses with the loss of the
@@ -26,6 +27,7 @@ from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, d
 from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.rollout.generate import full_vocab_logits
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capture_attention
@@ -147,7 +149,10 @@ def main(argv=None) -> None:
         reference = replay_gradients(model, prompt, responses, args.prompt_chunk_size)
         reference_logprobs = last_logprobs(model, prompt, args.prompt_chunk_size)
         rows = {}
+        has_attention = any(isinstance(m, SDPACoreAttention) for m in model.modules())
         for name, spec in VARIANTS.items():
+            if spec == "attention" and not has_attention:  # e.g. GLM-5: DSA/MLA, no full-attention core
+                continue
             with switch_for(model, spec):
                 rows[name] = compare(reference, replay_gradients(model, prompt, responses, args.prompt_chunk_size))
                 rows[name]["logprob_abs_diff"] = (last_logprobs(model, prompt, args.prompt_chunk_size)

@@ -56,12 +56,16 @@ class GatedDeltaState(LayerState):
         self.chunk_starts.clear()
 
 
-def _recurrent_kernel():
-    """fla's fused recurrent delta rule, for decoding: a step's one or few tokens in one kernel
-    launch, where the chunked kernel (capture, replay) launches a dozen; the same recurrence."""
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-    return fused_recurrent_gated_delta_rule
+def _decode_kernel(chunk_kernel):
+    """The delta-rule kernel of a decode step: fla's fused recurrent kernel (a step's one or few
+    tokens in one launch, where the chunked one launches a dozen; the same recurrence) where the
+    layer runs fla's chunked kernel, else the layer's own (Megatron's deterministic torch kernel,
+    or the pure-torch one of ``patches/cpu_gated_delta_kernels``)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return chunk_kernel
+    return fused_recurrent_gated_delta_rule if chunk_kernel is chunk_gated_delta_rule else chunk_kernel
 
 
 def _batch_to(state: torch.Tensor, batch: int) -> torch.Tensor:
@@ -201,7 +205,7 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
                                                                     cp_group, gather)
         else:
             recurrent = _batch_to(start_recurrent, batch) if stateful else None
-            kernel = _recurrent_kernel() if mode == Mode.DECODE and query.is_cuda else self.gated_delta_rule
+            kernel = _decode_kernel(self.gated_delta_rule) if mode == Mode.DECODE else self.gated_delta_rule
             core_out, recurrent_final = kernel(
                 query, key, value, g=g, beta=beta, initial_state=recurrent,
                 output_final_state=updates, use_qk_l2norm_in_kernel=False,

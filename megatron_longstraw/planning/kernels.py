@@ -54,8 +54,11 @@ PIPELINE_REPLAY_EFFICIENCY = 0.84
 """Fraction of the ideal speed-up of PP in replay beyond the schedule's warm-up and drain (p2p,
 imbalance): the PP=2 run at 512K. Capture pipelines its chunks' slices fully (measured 2.0x)."""
 DECODE_BANDWIDTH_FRACTION = 0.6
-"""Fraction of the HBM bandwidth a decode step's reads reach (not measured here yet)."""
+"""Fraction of the HBM bandwidth a decode step's reads reach: an assumption of a graph-captured
+decode step, which is not built; today's decoder is launch-bound, at 1-2% of the bound
+(``docs/decode.md``)."""
 DECODE_STEP_S = 2e-3
-"""Fixed cost per decode step (launches over every layer; not measured here yet)."""
+"""Fixed cost per decode step (launches over every layer): the same assumption; measured today
+about 85 ms on ``qwen3.5-0.8b`` (``docs/decode.md``), so planned decode times are far too low."""
 OPTIMIZER_BANDWIDTH_FRACTION = 0.5
 """Fraction of the HBM bandwidth the optimizer step reaches."""

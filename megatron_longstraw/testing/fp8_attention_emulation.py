@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state
 
 from megatron_longstraw.attention.partials import default_scale, expand_groups
 from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
@@ -69,6 +70,8 @@ def fp8_prefix_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: tor
 def emulated_fp8_capture_attention(model: torch.nn.Module):
     """Inside, every ``SDPACoreAttention`` of ``model`` computes its capture with
     ``fp8_prefix_attention``; the hooks are restored on exit."""
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1:
+        raise ValueError("emulated FP8 attention: the capture under context parallelism does not take the hook")
     cores = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
     if not cores:
         raise ValueError("emulated FP8 attention: the model has no full-attention core (SDPACoreAttention)")

@@ -242,10 +242,10 @@ def add_kernel_flags(g) -> None:
                    help="fused kernels of full attention over the prompt state on a GPU; emulated: their "
                         "interface in plain torch (also on a CPU, for tests)")
     g.add_argument("--prefix-block", type=int, default=d.prefix_block,
-                   help="prompt keys per fused full-attention call (bounds one call's transients)")
+                   help="prompt keys per fused full-attention call in capture and replay (bounds one call's transients)")
     g.add_argument("--decode-split-keys", type=int, default=d.decode_split_keys,
-                   help="fewest prompt keys per split of a decode step's attention over the pages (the splits "
-                        "run as one batched call and merge by log-sum-exp)")
+                   help="fewest prompt keys per split of a decode step's attention over the pages (the whole splits "
+                        "run as one batched call, a shorter rest as a second; merged by log-sum-exp)")
     g.add_argument("--dsa-key-block", type=int, default=d.dsa_key_block,
                    help="DSA indexer keys scored at a time by the blockwise top-k")
     g.add_argument("--dsa-score-elements", type=int, default=d.dsa_score_elements,

@@ -14,12 +14,13 @@ Every data-parallel rank draws the same number of prompts for each slot, so that
 walking the dataset in step (``PromptSource``: rank ``r`` of ``d`` takes items ``r, r + d, ...``)
 and a checkpoint's data position holds for all of them: a rank whose group for the slot is
 already kept draws along and leaves its prompt unused until no rank needs another one (one
-all-reduce of a flag per draw). Ranks that share a group (tensor, context and pipeline parallel
+all-reduce of a flag per draw): such prompts are consumed unseen and counted nowhere (the
+metrics count the groups a rank scored). Ranks that share a group (tensor, context and pipeline parallel
 peers) drop it or keep it together (``agree_uniform``). Expert parallelism is refused with it
 (``arguments.py``): its ranks' no-grad passes and replays would no longer come in the same counts.
 
-Logged per step: ``dynamic_sampling/skipped_frac`` (dropped / drawn groups over the data-parallel
-ranks), ``dynamic_sampling/draws_per_group`` and ``reward/drawn_mean``, the mean reward over
+Logged per step: ``dynamic_sampling/skipped_frac`` (dropped / scored groups over the
+data-parallel ranks), ``dynamic_sampling/draws_per_group`` (scored groups per trained one) and ``reward/drawn_mean``, the mean reward over
 every drawn group, dropped ones included (``reward/mean`` is over the trained groups, which
 dynamic sampling biases towards the middle).
 """
@@ -59,27 +60,34 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def fill_groups(draw: Callable, train: Callable, slots: int, max_draws: Optional[int]) -> tuple[list[dict], dict]:
-    """The step's trained groups' metrics and the dynamic-sampling metrics.
+def fill_groups(draw: Callable, train: Callable, slots: int,
+                max_draws: Optional[int]) -> tuple[list[dict], dict, list[dict]]:
+    """The step's trained groups' metrics, the dynamic-sampling metrics, and the work the dropped
+    groups cost (``{"prompt/length", "tokens/response"}`` of what was captured and decoded for
+    them, for the throughput metrics: the phases' times include it).
 
     ``draw()`` gives the next prompt group; ``train(group, drop_uniform)`` trains it and returns its
     metrics, or ``None`` when ``drop_uniform`` and its rewards are all equal (then the group's
     rewards are filled in). ``max_draws=None``: no dynamic sampling (one draw per slot, nothing
     dropped, no metrics added)."""
     if max_draws is None:
-        return [train(draw(), False) for _ in range(slots)], {}
+        return [train(draw(), False) for _ in range(slots)], {}, []
     assert max_draws >= 1, max_draws
-    kept, rewards = [], []
+    kept, rewards, spent = [], [], []
     drawn = dropped = 0
     for _ in range(slots):
         metrics = None
         for attempt in range(max_draws):
             group = draw()  # every rank draws: the ranks walk the data in step
             if metrics is None:
+                scored, given = group.rewards_G is not None, bool(group.responses)
                 metrics = train(group, attempt < max_draws - 1)
                 drawn += 1
                 dropped += metrics is None
                 rewards.append(group.rewards_G.float().mean().item())
+                if metrics is None and not scored:  # captured (and decoded, unless given) before dropped
+                    spent.append({"prompt/length": float(group.prompt_ids_S.numel()),
+                                  "tokens/response": 0.0 if given else float(sum(r.numel() for r in group.responses))})
             if not _any_rank(metrics is None):
                 break
         assert metrics is not None  # the last draw is trained whatever its rewards
@@ -91,4 +99,4 @@ def fill_groups(draw: Callable, train: Callable, slots: int, max_draws: Optional
     drawn_all, dropped_all, reward_sum, slots_all = totals.tolist()
     return kept, {"dynamic_sampling/skipped_frac": dropped_all / drawn_all,
                   "dynamic_sampling/draws_per_group": drawn_all / slots_all,
-                  "reward/drawn_mean": reward_sum / drawn_all}
+                  "reward/drawn_mean": reward_sum / drawn_all}, spent

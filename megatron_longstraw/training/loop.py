@@ -68,7 +68,7 @@ def train(args):
             optimizer.zero_grad()
             if args.curriculum is not None:  # the curriculum: a function of the step alone
                 source.set_prompt_length(args.curriculum.length_at(iteration))
-            groups, sampling_metrics = fill_groups(
+            groups, sampling_metrics, dropped_work = fill_groups(
                 source.next_group,
                 lambda group, drop_uniform: train_group(
                     model, group, args, reward_fn=reward_fn, eos_id=tokenizer.eos_id, generator=generator,
@@ -96,7 +96,7 @@ def train(args):
                     metrics.update(evaluate(model, source.dataset.task, args.eval_lengths, args, reward_fn,
                                             tokenizer.eos_id, iteration))
             metrics.update(clock.metrics)
-            metrics.update(throughput_metrics(hf, model, groups, clock.metrics, args))
+            metrics.update(throughput_metrics(hf, model, groups, clock.metrics, args, dropped=dropped_work))
             metrics.update({"optim/grad_norm": grad_norm if grad_norm is not None else float("nan"),
                             "optim/lr": lr, "optim/update_ok": float(update_ok),
                             "time/step_s": time.perf_counter() - start})

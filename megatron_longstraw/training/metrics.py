@@ -55,15 +55,19 @@ def reduce_step_metrics(groups: list[dict], summed: Sequence[str] = ()) -> dict:
     return out
 
 
-def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, args) -> dict:
+def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, args,
+                       dropped: Sequence[dict] = ()) -> dict:
     """Tokens/s per phase (this rank) and, on a GPU, MFU against ``--peak-tflops`` of capture and
     replay (forward + backward: 3x the forward), each where the model's family has that FLOPs
     formula. Under context parallelism a rank's capture MFU counts its share (1/CP) of the
-    prompt's FLOPs."""
+    prompt's FLOPs. ``dropped``: the capture and rollout work of groups dynamic sampling dropped
+    (``{"prompt/length", "tokens/response"}``), which the capture and rollout times include."""
     prompt_tokens = sum(g["prompt/length"] for g in groups)
     response_tokens = sum(g["tokens/response"] for g in groups)
+    dropped_prompt = sum(d["prompt/length"] for d in dropped)
+    dropped_response = sum(d["tokens/response"] for d in dropped)
     out = {}
-    for phase, tokens in (("capture", prompt_tokens), ("rollout", response_tokens),
+    for phase, tokens in (("capture", prompt_tokens + dropped_prompt), ("rollout", response_tokens + dropped_response),
                           ("scoring", response_tokens), ("replay", response_tokens)):
         seconds = phase_times.get(f"time/{phase}_s")
         if seconds:
@@ -71,7 +75,7 @@ def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, a
     if not torch.cuda.is_available():
         return out
     flops = {}
-    per_prompt = [prompt_flops(hf, model, int(g["prompt/length"])) for g in groups]
+    per_prompt = [prompt_flops(hf, model, int(g["prompt/length"])) for g in [*groups, *dropped] if g["prompt/length"]]
     if all(f is not None for f in per_prompt):
         flops["capture"] = sum(per_prompt) / parallel_state.get_context_parallel_world_size()
     per_response = [response_forward_flops(hf, model, int(g["prompt/length"]), int(g["tokens/response"]))
