@@ -5,7 +5,9 @@ of 8 ids (4 markers, 3 content ids, EOS), from random weights, the synthetic ret
 and partial credit 0.5: a response earns 0.5 when it is the record's value. A random policy
 earns about 0.5 / 8; one that answers any content id earns 0.5 / 3 (the format ceiling), one
 that reads the prompt 0.5. Forty-five steps of 4 prompts x 8 samples take it from the first to
-the second. The rise is measured twice: on the rewards the run logs, and, free of sampling noise,
+the second. What it learns is that format (some content id), which needs no prompt
+reading: the check is that the exact-mode trainer raises its reward, not that exact gradients
+add anything over detached ones. The rise is measured twice: on the rewards the run logs, and, free of sampling noise,
 as the policy's expected reward (0.5 x the probability of the value) on 32 held-out prompts
 before and after training.
 """

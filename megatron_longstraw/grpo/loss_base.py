@@ -108,6 +108,9 @@ class PolicyLoss:
     # replay hands every call the per-token entropies (``model_steps.loss_of``): they are logged
     # even when ``entropy_coef`` is 0
     needs_entropy = True
+    # the trainer samples the responses (False) or takes the records' given ones (the answer ids
+    # of a prompt, a rollout file's responses: ``grpo/sft_loss.py``)
+    trains_on_given_responses: ClassVar[bool] = False
 
     def __init__(self, old_logprobs: Sequence[torch.Tensor], advantages_G: torch.Tensor, *,
                  normalizer: float, ref_logprobs: Optional[Sequence[torch.Tensor]] = None,

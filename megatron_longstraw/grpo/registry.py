@@ -11,6 +11,7 @@ from megatron_longstraw.grpo.dr_grpo_loss import DrGRPOLoss
 from megatron_longstraw.grpo.gspo_loss import GSPOLoss
 from megatron_longstraw.grpo.loss_base import PolicyLoss
 from megatron_longstraw.grpo.policy_loss import GRPOLoss
+from megatron_longstraw.grpo.sft_loss import SFTLoss
 
 POLICY_LOSSES: dict[str, type[PolicyLoss]] = {}
 
@@ -35,5 +36,5 @@ def get_policy_loss(name: str) -> type[PolicyLoss]:
     return POLICY_LOSSES[name]
 
 
-for _loss in (GRPOLoss, DrGRPOLoss, GSPOLoss, CISPOLoss):
+for _loss in (GRPOLoss, DrGRPOLoss, GSPOLoss, CISPOLoss, SFTLoss):
     register_policy_loss(_loss.name)(_loss)

@@ -132,7 +132,8 @@ def _grpo(p):
     g.add_argument("--loss-type", default="grpo", metavar="NAME",
                    help="policy loss registered in grpo/registry.py: grpo (clipped surrogate), dr_grpo (Dr. GRPO: token sum "
                         "over max-response-length x responses, no std normalization), gspo (sequence-level "
-                        "ratio and clip), cispo (REINFORCE with a clipped stop-gradient IS weight)")
+                        "ratio and clip), cispo (REINFORCE with a clipped stop-gradient IS weight), sft (negative "
+                        "log-likelihood of the records' given answers or responses: a warm start)")
     g.add_argument("--clip-eps-low", type=float, default=0.2,
                    help="ratio floor 1 - eps, shared by every loss (gspo clips sequence ratios: ~3e-4)")
     g.add_argument("--clip-eps-high", type=float, default=0.28,

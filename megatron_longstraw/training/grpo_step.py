@@ -91,6 +91,16 @@ def score_logprobs(model, state, prompt_ids_1S, responses, args) -> list[torch.T
     return out
 
 
+def _answer_ids(group: PromptGroup, args) -> torch.Tensor:
+    """The record's answer as token ids (what ``--loss-type sft`` trains on as its response), cut
+    to ``--max-response-length``; ``ValueError`` naming the loss and the record otherwise."""
+    answer = group.answer
+    if not (isinstance(answer, (list, tuple)) and answer and all(isinstance(i, int) for i in answer)):
+        raise ValueError(f"--loss-type {args.loss_type}: record {group.source} has no token-id answer to train on "
+                         f"(got {type(answer).__name__}); give \"answer\" as a list of ids, or responses")
+    return torch.tensor(list(answer)[: args.max_response_length], dtype=torch.long)
+
+
 def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, generator: torch.Generator,
                 groups_per_rank: int, reference=None, clock: PhaseClock, drop_uniform: bool = False) -> Optional[dict]:
     """Process one prompt group, accumulating gradients in ``model``; returns its metrics.
@@ -103,6 +113,8 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
     with clock("capture"), progress_bar(prompt_ids_1S.shape[1], "capture", args) as bar:
         state = capture_prompt(model, prompt_ids_1S, args.prompt_chunk_size, progress=bar.update, exact=exact)
     try:
+        if not group.responses and get_policy_loss(args.loss_type).trains_on_given_responses:
+            group.responses = [_answer_ids(group, args).to(prompt_ids_1S.device)]  # the one given response
         if not group.responses:
             with clock("rollout"), progress_bar(args.max_response_length, "decode", args) as bar:
                 rollouts = generate_from_state(
