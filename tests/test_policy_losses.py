@@ -271,11 +271,11 @@ def test_bad_loss_flags_fail_at_start_up_naming_the_flag(argv, needle):
 
 
 def test_registry():
-    assert list(POLICY_LOSSES) == ["grpo", "dr_grpo", "gspo", "cispo"]
+    assert list(POLICY_LOSSES) == ["grpo", "dr_grpo", "gspo", "cispo", "sft"]
     assert get_policy_loss("gspo") is GSPOLoss
-    with pytest.raises(ValueError, match="--loss-type must be one of grpo, dr_grpo, gspo, cispo, got 'ppo'"):
+    with pytest.raises(ValueError, match="--loss-type must be one of grpo, dr_grpo, gspo, cispo, sft, got 'ppo'"):
         get_policy_loss("ppo")
-    with pytest.raises(ValueError, match="--loss-type must be one of grpo, dr_grpo, gspo, cispo, got 'ppo'"):
+    with pytest.raises(ValueError, match="--loss-type must be one of grpo, dr_grpo, gspo, cispo, sft, got 'ppo'"):
         parse_args(["--loss-type", "ppo"])  # checked after parsing: the parser imports no registry
 
     class HalfGRPO(GRPOLoss):

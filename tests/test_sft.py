@@ -67,8 +67,8 @@ def _answer_nll(model, args) -> float:
 def test_sft_loss_is_the_answers_negative_log_likelihood_and_falls(tmp_path, monkeypatch):
     """Step 1's ``loss/total`` (computed with the initial weights) is the token-mean NLL of the two
     prompts' answers that a plain forward of prompt + answer gives; the responses are the answers
-    (3 tokens each), their reward 1; four steps lower it."""
-    _train(_args(tmp_path, "--prompt-gradient", "exact", "--train-iters", "4", "--wandb-mode", "offline"),
+    (3 tokens each), their reward 1; three steps lower it."""
+    _train(_args(tmp_path, "--prompt-gradient", "exact", "--train-iters", "3", "--wandb-mode", "offline"),
            monkeypatch)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     nll = _NLL["initial"]
@@ -76,8 +76,8 @@ def test_sft_loss_is_the_answers_negative_log_likelihood_and_falls(tmp_path, mon
     assert first["tokens/response"] == 2 * ANSWER and first["reward/mean"] == 1.0
     assert abs(first["loss/total"] - nll) <= 1e-5 * max(1.0, nll), (first["loss/total"], nll)
     assert first["clip/frac_low"] == 0 and first["clip/frac_high"] == 0
-    # measured 5.60 -> 5.00 (random weights: log 256 = 5.5 per token)
-    assert rows[-1]["loss/total"] < first["loss/total"] - 0.3, [r["loss/total"] for r in rows]
+    # measured 5.60 -> 5.29 at step 3 (random weights: log 256 = 5.5 per token)
+    assert rows[-1]["loss/total"] < first["loss/total"] - 0.15, [r["loss/total"] for r in rows]
 
 
 def test_sft_exact_gradient_equals_full_backprop_and_differs_from_detached(tmp_path):
