@@ -8,8 +8,8 @@ answer ids (the synthetic task's value and EOS, or a JSONL record's token-id ``a
 one response of its prompt, or a rollout file's responses as they are
 (``PolicyLoss.trains_on_given_responses``). Rewards are still computed and logged (a given
 answer scores what the reward says of it), advantages play no part. The KL and entropy terms
-are GRPO's; the clip range, the rollout correction and dynamic sampling have nothing to act on
-and are refused when set.
+are GRPO's; the clip range has nothing to act on (no ratio enters the loss), and the rollout
+correction and dynamic sampling, which have nothing to act on either, are refused when set.
 """
 
 import torch
