@@ -23,6 +23,7 @@ import shlex
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from megatron_longstraw import console
 
@@ -140,7 +141,6 @@ def hf_model_like(hf: dict, model, folder: str):
     ``mcore_to_hf``, written to ``folder`` and read back with ``from_pretrained`` (as an exported
     checkpoint is), in the model's dtype and on its device, with SDPA attention."""
     import json
-    from pathlib import Path
 
     from safetensors.torch import save_file
 
@@ -257,8 +257,6 @@ def run(args) -> list[dict]:
             for group in args.group_sizes:
                 point["ours"].append(ours(model, state, group, args, generator, bound=reads_everything(hf)))
             if args.profile:
-                from pathlib import Path
-
                 Path(args.output_dir).mkdir(parents=True, exist_ok=True)
                 profile_decode(model, state, args.profile, args, generator,
                                Path(args.output_dir) / f"{bench_stem('decode', args.model, args.tag)}_profile_{length}.txt")

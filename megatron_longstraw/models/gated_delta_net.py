@@ -19,6 +19,7 @@ its accumulated gradient on the last rank only.
 """
 
 import contextlib
+import functools
 
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class GatedDeltaState(LayerState):
         self.chunk_starts.clear()
 
 
+@functools.cache  # per kernel function: resolved once, not at every layer of every decode step
 def _decode_kernel(chunk_kernel):
     """The delta-rule kernel of a decode step: fla's fused recurrent kernel (a step's one or few
     tokens in one launch, where the chunked one launches a dozen; the same recurrence) where the

@@ -75,7 +75,7 @@ def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, a
     if not torch.cuda.is_available():
         return out
     flops = {}
-    per_prompt = [prompt_flops(hf, model, int(g["prompt/length"])) for g in [*groups, *dropped] if g["prompt/length"]]
+    per_prompt = [prompt_flops(hf, model, int(g["prompt/length"])) for g in [*groups, *dropped]]
     if all(f is not None for f in per_prompt):
         flops["capture"] = sum(per_prompt) / parallel_state.get_context_parallel_world_size()
     per_response = [response_forward_flops(hf, model, int(g["prompt/length"]), int(g["tokens/response"]))
