@@ -59,6 +59,8 @@ def parse_args(argv=None):
                    help="override the preset's position budget (RoPE extrapolation, as Megatron's flag)")
     p.add_argument("--decode-split-keys", type=int, default=KernelOptions().decode_split_keys,
                    help="fewest prompt keys per split of a decode step's attention over the pages (as the trainer's flag)")
+    p.add_argument("--decode-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay our decode steps from CUDA graphs where the model allows it (as the trainer does)")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="the GPU's memory bandwidth, TB/s (H200: 4.8)")
     p.add_argument("--profile", type=int, default=0, metavar="G",
                    help="also profile G samples decoding at each prompt length (operator tables beside the results)")
@@ -124,12 +126,14 @@ def ours(model, state, group: int, args, generator, bound: bool = True) -> dict:
     _reset_peak()
     _sync()
     rollouts = generate_from_state(model, state, group, args.new_tokens, temperature=args.temperature,
-                                   eos_id=None, generator=generator, progress=lambda p: elapsed.append(p.elapsed_s))
+                                   eos_id=None, generator=generator, progress=lambda p: elapsed.append(p.elapsed_s),
+                                   cuda_graphs=args.decode_cuda_graphs)
     _sync()
     per_step = step_seconds(elapsed, args.warmup_steps)
     bytes_per_step = weight_bytes(model) + state.nbytes() + rollouts.decode_state_bytes
     bound_s = bytes_per_step / (args.hbm_tbps * 1e12) if bound else None
-    return dict(group=group, per_step_s=per_step, tokens_per_s=group / per_step, total_s=rollouts.seconds,
+    return dict(group=group, cuda_graphs=rollouts.cuda_graphs, per_step_s=per_step, tokens_per_s=group / per_step,
+                total_s=rollouts.seconds,
                 bytes_per_step=bytes_per_step, reads_everything=bound, bandwidth_bound_s=bound_s,
                 bandwidth_fraction=bound_s / per_step if bound else None,
                 decode_state_gib=rollouts.decode_state_bytes / GiB, peak_gib=_peak_gib(),
@@ -223,7 +227,7 @@ def profile_decode(model, state, group: int, args, generator, path) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         generate_from_state(model, state, group, args.new_tokens, temperature=args.temperature, eos_id=None,
-                            generator=generator)
+                            generator=generator, cuda_graphs=args.decode_cuda_graphs)
         _sync()
     table = prof.key_averages()
     by_device = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -290,7 +294,9 @@ def _lines(results, args) -> list[str]:
 def write(results, args, command) -> None:
     lines = [f"# Decode benchmark: {args.model}", "", f"Command: `{command}`", "",
              f"{args.new_tokens} tokens per sample, per-step time after {args.warmup_steps} steps, "
-             f"bandwidth bound at {args.hbm_tbps} TB/s.", "",
+             f"bandwidth bound at {args.hbm_tbps} TB/s; our decode steps "
+             + ("replayed from CUDA graphs." if any(r["cuda_graphs"] for p in results for r in p["ours"])
+                else "run eagerly (no CUDA graphs)."), "",
              "| prompt | G | ms / step | tokens/s | GiB read / step | bound ms / step | of bandwidth | peak GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |", *_lines(results, args)]
     hf_rows = [(p, r) for p in results for r in p["hf"]]

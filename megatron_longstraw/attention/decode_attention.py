@@ -33,15 +33,20 @@ from megatron_longstraw.attention.partials import (
 from megatron_longstraw.attention.prefix_attention_cuda import fold_groups, kernel_forward, unfold_groups
 
 
-def _own_keys_part(q_BHSD, k_BGTD, v_BGTD, scale):
-    """fp32 output and log-sum-exp of the queries over the sample's own keys, bottom-right causal."""
+def _own_keys_part(q_BHSD, k_BGTD, v_BGTD, scale, own_valid=None):
+    """fp32 output and log-sum-exp of the queries over the sample's own keys, bottom-right causal
+    (with ``own_valid``, a device count, over the first ``own_valid`` of the ``t`` keys only)."""
     heads = q_BHSD.shape[1]
     seq, keys = q_BHSD.shape[2], k_BGTD.shape[2]
     compute = torch.promote_types(q_BHSD.dtype, torch.float32)
     k_BHTD = expand_groups(k_BGTD.to(compute), heads)
     v_BHTD = expand_groups(v_BGTD.to(compute), heads)
     scores_BHST = (q_BHSD.to(compute) @ k_BHTD.transpose(-1, -2)) * scale
-    visible_ST = torch.ones(seq, keys, dtype=torch.bool, device=q_BHSD.device).tril(keys - seq)
+    if own_valid is None:
+        visible_ST = torch.ones(seq, keys, dtype=torch.bool, device=q_BHSD.device).tril(keys - seq)
+    else:  # query i sees the keys before own_valid - seq + i + 1
+        last_S = own_valid.reshape(()) - seq + torch.arange(seq, device=q_BHSD.device)
+        visible_ST = torch.arange(keys, device=q_BHSD.device)[None, :] <= last_S[:, None]
     probs_BHST, lse_BHS = softmax_partial(scores_BHST.masked_fill(~visible_ST, float("-inf")))
     return probs_BHST @ v_BHTD, lse_BHS
 
@@ -95,10 +100,15 @@ def _prompt_part(q_SBHD, prompt_k_SBGD, prompt_v_SBGD, scale, options, acc_BHSD,
 def decode_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: torch.Tensor,
                      prompt_k_SBGD: Optional[torch.Tensor], prompt_v_SBGD: Optional[torch.Tensor],
                      scale: Optional[float] = None, cp_group=None,
-                     options: KernelOptions = KernelOptions()) -> torch.Tensor:
+                     options: KernelOptions = KernelOptions(),
+                     own_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of the newest ``s`` tokens' queries ``[s, b, heads, d]`` over the shared prompt keys
     ``[p, 1, groups, d]`` (all visible) and the samples' own keys ``[t, b, groups, d]`` (``t >= s``,
     the last ``s`` being the queries' own tokens). Returns ``[s, b, heads, d_v]``; no autograd.
+
+    ``own_valid`` (a one-element device tensor, for a step in fixed shapes): only the first
+    ``own_valid`` own keys are real, the queries' own tokens being the last ``s`` of them; the
+    rows after them are masked out (their content does not matter).
 
     With ``cp_group`` (context parallelism) the prompt keys are this rank's shard of the pages;
     the queries and own keys must be the same on every rank of the group (see the module doc).
@@ -107,7 +117,7 @@ def decode_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: torch.T
     assert k_SBGD.shape[0] >= seq and k_SBGD.shape[1] == batch, (k_SBGD.shape, q_SBHD.shape)
     scale = default_scale(scale, dim)
     acc_BHSD, lse_BHS = _own_keys_part(q_SBHD.permute(1, 2, 0, 3), k_SBGD.permute(1, 2, 0, 3),
-                                       v_SBGD.permute(1, 2, 0, 3), scale)
+                                       v_SBGD.permute(1, 2, 0, 3), scale, own_valid)
     has_pages = prompt_k_SBGD is not None and prompt_k_SBGD.shape[0] > 0
     if has_pages:
         assert prompt_k_SBGD.shape[1] == 1, "the shared prompt state must have batch 1"

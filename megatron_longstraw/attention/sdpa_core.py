@@ -59,6 +59,14 @@ class AttentionKVState(LayerState):
         """The filled part of the pages."""
         return self.key_SBGD[: self.length], self.value_SBGD[: self.length]
 
+    def write_at(self, start_t: torch.Tensor, key_SBGD: torch.Tensor, value_SBGD: torch.Tensor) -> None:
+        """Write keys/values at the rows from ``start_t`` (a one-element device tensor) on: the
+        fixed-shape append of ``Binding.static_decode``, whose count lives on the device (``length``,
+        the Python count, is left alone)."""
+        rows_S = start_t.reshape(()) + torch.arange(key_SBGD.shape[0], device=start_t.device)
+        self.key_SBGD.index_copy_(0, rows_S, key_SBGD)
+        self.value_SBGD.index_copy_(0, rows_S, value_SBGD)
+
 
 @dataclass
 class AttentionDecodeState(AttentionKVState):
@@ -77,6 +85,7 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
 
     supports_context_parallel = True
     supports_prompt_gradient = True
+    supports_static_decode = True
     capture_attention: Optional[Callable] = None
     """Computes the capture's attention in place of ``prefix_causal_attention`` when set (same
     arguments; without context parallelism): another numerics for the no-grad prompt pass only,
@@ -110,10 +119,12 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
 
     def new_decode_state(self, prompt: AttentionKVState, num_samples: int,
                          capacity: int) -> AttentionDecodeState:
-        """Empty per-sample pages for ``capacity`` decoded tokens after the shared ``prompt`` pages."""
+        """Per-sample pages for ``capacity`` decoded tokens after the shared ``prompt`` pages, zeros
+        (a fixed-shape step, ``Binding.static_decode``, reads rows not yet written: masked out, but
+        their weight 0 times a non-finite value would not be 0)."""
         shape = (capacity, num_samples, self.groups_per_rank, self.config.kv_channels)
-        empty = dict(dtype=prompt.key_SBGD.dtype, device=prompt.key_SBGD.device)
-        return AttentionDecodeState(torch.empty(shape, **empty), torch.empty(shape, **empty), prompt=prompt)
+        zeros = dict(dtype=prompt.key_SBGD.dtype, device=prompt.key_SBGD.device)
+        return AttentionDecodeState(torch.zeros(shape, **zeros), torch.zeros(shape, **zeros), prompt=prompt)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **kwargs):
@@ -142,11 +153,17 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
             return out_SBHD.reshape(seq, batch, -1)
         if binding is not None and binding.mode == Mode.DECODE:
             valid = binding.valid_length or seq  # sequence parallelism pads the tokens at the end
-            binding.state.append(key[:valid], value[:valid])
-            own_k, own_v = binding.state.keys_values()
-            prompt_k, prompt_v = binding.state.prompt.keys_values()
+            state, static, own_valid = binding.state, binding.static_decode, None
+            if static is None:
+                state.append(key[:valid], value[:valid])
+                own_k, own_v = state.keys_values()
+            else:  # fixed shapes: the rows at the device count, the buffers' first rows masked
+                state.write_at(static.length_t, key[:valid], value[:valid])
+                own_k, own_v = state.key_SBGD[:static.rows], state.value_SBGD[:static.rows]
+                own_valid = static.length_t + valid
+            prompt_k, prompt_v = state.prompt.keys_values()
             out_SBHD = decode_attention(query[:valid], own_k, own_v, prompt_k, prompt_v, self.softmax_scale,
-                                        options=self.kernel_options)
+                                        options=self.kernel_options, own_valid=own_valid)
             return pad_rows_to(out_SBHD, seq).reshape(seq, batch, -1)
         if binding is not None and binding.mode == Mode.REFERENCE:
             key = detach_prefix(key, binding.prefix_length, 0)

@@ -49,6 +49,21 @@ class Binding:
     sweep: Optional[SweepTargets] = None  # SWEEP: where the chunk's own state entries go
     local_offset: Optional[int] = None  # SWEEP under CP: the rows of this rank's state before the
     # chunk's shard (its shards of the earlier chunks); ``position_offset`` is the shard's first position
+    static_decode: Optional["StaticDecode"] = None  # DECODE in fixed shapes (a CUDA graph's step)
+
+
+@dataclass
+class StaticDecode:
+    """A decode step in fixed shapes, as a CUDA graph replays it (``longstraw/decode_graph.py``).
+
+    The count of tokens each sample fed so far is the device tensor ``length_t`` (``[1]`` int64),
+    not a Python number, so the captured step reads the current one at every replay; the step
+    writes the new tokens' entries at that row and advances it. The samples' own-key buffers are
+    read over their first ``rows`` rows, the rows past the tokens fed so far masked out.
+    """
+
+    length_t: torch.Tensor
+    rows: int
 
 
 class StatefulModule:
@@ -56,12 +71,15 @@ class StatefulModule:
 
     ``supports_context_parallel``: the layer can capture/replay with its prompt state sharded
     over the CP group (``core/collectives.py``). ``supports_prompt_gradient``: it serves
-    ``--prompt-gradient exact`` (``core/state_grad.py``).
+    ``--prompt-gradient exact`` (``core/state_grad.py``). ``supports_static_decode``: its decode
+    step keeps fixed shapes and reads no Python-side count under ``Binding.static_decode``, so
+    a CUDA graph can replay it.
     """
 
     longstraw: Optional[Binding] = None
     supports_context_parallel: bool = False
     supports_prompt_gradient: bool = False  # implements ``exact`` capture/replay and ``Mode.SWEEP``
+    supports_static_decode: bool = False  # implements ``Binding.static_decode``
 
     def new_prompt_state(self, prompt_length: int, batch: int, device) -> LayerState:
         """An empty state for a prompt of ``prompt_length`` tokens (this rank's share)."""
@@ -102,7 +120,8 @@ def check_state_matches(model, state: StateSet, modules=None) -> None:
 def bind(model, mode: Mode, state: Optional[StateSet] = None, *,
          position_offset: int = 0, prefix_length: int = 0,
          shard_sizes: Optional[tuple[int, ...]] = None, valid_length: Optional[int] = None,
-         exact: bool = False, sweep: Optional[SweepTargets] = None, local_offset: Optional[int] = None):
+         exact: bool = False, sweep: Optional[SweepTargets] = None, local_offset: Optional[int] = None,
+         static_decode: Optional[StaticDecode] = None):
     """Bind every stateful module of ``model`` for the block; restores the previous binding on exit.
 
     Keep backward inside the block when activations are recomputed (``--recompute-granularity``):
@@ -115,7 +134,7 @@ def bind(model, mode: Mode, state: Optional[StateSet] = None, *,
     for name, module in modules.items():
         module.longstraw = Binding(mode, state.layers[name] if state is not None else None,
                                    position_offset, prefix_length, shard_sizes, valid_length, exact, sweep,
-                                   local_offset)
+                                   local_offset, static_decode)
     try:
         yield
     finally:

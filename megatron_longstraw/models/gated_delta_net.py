@@ -116,6 +116,7 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
 
     supports_context_parallel = True
     supports_prompt_gradient = True
+    supports_static_decode = True  # its decode step updates its state in place, in fixed shapes
 
     @contextlib.contextmanager
     def _whole_heads(self):

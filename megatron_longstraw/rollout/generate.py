@@ -5,7 +5,9 @@
 indexer keys are read in place by every sample; each sample owns only its generated tokens'
 entries and its copy of the Gated DeltaNet state (``longstraw.decode_state``). A sample stops
 after EOS (included in its response) or ``max_new_tokens``; finished samples are dropped from the
-batch (their per-sample state with them), so late steps cost only the samples still running.
+batch (their per-sample state with them), so late steps cost only the samples still running,
+except where the steps replay CUDA graphs (``cuda_graphs``, ``longstraw/decode_graph.py``), whose
+batch stays whole.
 
 Tensor parallelism: the logits are vocabulary-sharded, so they are all-gathered over the TP group
 and every TP rank samples from the same full logits; TP rank 0's tokens are then broadcast over
@@ -30,6 +32,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_longstraw.core.decode_state import new_decode_state
+from megatron_longstraw.longstraw import decode_graph
 from megatron_longstraw.longstraw.decode_step import decode_step
 from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
 from megatron_longstraw.longstraw.model_steps import output_logits
@@ -70,6 +73,7 @@ class Rollouts:
     seconds: float
     decode_steps: int                 # batched forwards through the model
     decode_state_bytes: int           # per-sample state allocated at the start (this rank)
+    cuda_graphs: bool = False         # the decode steps were replayed from CUDA graphs
     step_logits: Optional[list[torch.Tensor]] = field(default=None, repr=False)
 
     @property
@@ -147,21 +151,24 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
                         temperature: float = 1.0, top_p: float = 1.0, eos_id: Optional[int] = None,
                         generator: Optional[torch.Generator] = None,
                         progress: Optional[Callable[[RolloutProgress], None]] = None,
-                        keep_logits: bool = False) -> Rollouts:
+                        keep_logits: bool = False, cuda_graphs: bool = False) -> Rollouts:
     """Decode ``num_samples`` responses of at most ``max_new_tokens`` tokens from ``prompt_state``.
 
     ``prompt_state`` is a batch-1 state captured by ``model`` (``capture_prompt``); it is read,
     never modified or copied per sample. Tokens are drawn with ``sampling.sample_tokens``
     (greedy at ``temperature == 0``). A sample stops after ``eos_id`` (kept as its last token) or
-    at ``max_new_tokens``. ``progress``, if given, is called after every step. Raises
-    ``ValueError`` for bad sampling settings, a response that would exceed the model's positions,
-    or a state from another model.
+    at ``max_new_tokens``. ``progress``, if given, is called after every step. ``cuda_graphs``:
+    replay the decode step from CUDA graphs where the model, its layout and its device allow
+    (``longstraw/decode_graph.py``; the batch then stays whole, finished samples decoding on
+    unused). Raises ``ValueError`` for bad sampling settings, a response that would exceed the
+    model's positions, or a state from another model.
     """
     _check(model, prompt_state, num_samples, max_new_tokens, temperature, top_p)
     start = time.perf_counter()
     state = new_decode_state(model, prompt_state, num_samples, capacity=max_new_tokens - 1)
     state_bytes = state.nbytes()
     state_device = next(model.parameters()).device
+    graphed = decode_graph.graphed_decoder(model, state) if cuda_graphs else None
     tokens_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.long)
     logprobs_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.float32)
     sampling_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.float32)
@@ -169,7 +176,8 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
     stopped_by_eos = [False] * num_samples
     samples_here = not pipeline_parallel() or parallel_state.is_pipeline_last_stage()  # has the logits
     kept_logits = [[] for _ in range(num_samples)] if keep_logits and samples_here else None
-    rows = list(range(num_samples))  # sample id of each row still decoding
+    rows = list(range(num_samples))  # sample id of each row of the batch
+    decoding = set(rows)  # the samples not finished (with graphs finished ones stay in the batch)
     logits_BV = full_vocab_logits(model, _first_logits(model, prompt_state)).expand(num_samples, -1) \
         if samples_here else None
     steps = 0
@@ -186,6 +194,8 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
             tokens_cpu = tokens_B.cpu()
             keep = []
             for row, sample in enumerate(rows):
+                if sample not in decoding:
+                    continue
                 tokens_GT[sample, step] = tokens_cpu[row]
                 logprobs_GT[sample, step] = logprobs_B[row]
                 sampling_GT[sample, step] = sampling_B[row]
@@ -202,13 +212,17 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
                                          time.perf_counter() - start))
             if not keep:
                 break
-            if len(keep) < len(rows):
+            decoding = {rows[row] for row in keep}
+            if len(keep) < len(rows) and graphed is None:
                 index_B = torch.tensor(keep, dtype=torch.long, device=tokens_B.device)
                 state.select_samples(index_B)
                 tokens_B = tokens_B.index_select(0, index_B)
                 rows = [rows[row] for row in keep]
             lockstep.busy()
-            logits_BV = decode_step(model, state, tokens_B[:, None])
+            if graphed is not None:
+                logits_BV = graphed.step(tokens_B[:, None])
+            else:
+                logits_BV = decode_step(model, state, tokens_B[:, None])
             logits_BV = None if logits_BV is None else full_vocab_logits(model, logits_BV)
             steps += 1
         lockstep.finish()
@@ -222,5 +236,6 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
         seconds=time.perf_counter() - start,
         decode_steps=steps,
         decode_state_bytes=state_bytes,
+        cuda_graphs=graphed is not None,
         step_logits=[torch.stack(x) for x in kept_logits] if kept_logits is not None else None,
     )

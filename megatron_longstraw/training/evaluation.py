@@ -46,10 +46,10 @@ def evaluate(model, task: KeyValueRetrievalTask, lengths: list[int], args, rewar
             state = capture_prompt(model, prompt_ids_1P, args.prompt_chunk_size)
             try:
                 greedy = generate_from_state(model, state, 1, args.max_response_length, temperature=0.0,
-                                             eos_id=eos_id, generator=generator)
+                                             eos_id=eos_id, generator=generator, cuda_graphs=args.decode_cuda_graphs)
                 sampled = generate_from_state(model, state, args.num_generations, args.max_response_length,
                                               temperature=args.temperature, top_p=args.top_p, eos_id=eos_id,
-                                              generator=generator)
+                                              generator=generator, cuda_graphs=args.decode_cuda_graphs)
             finally:
                 state.free()
             source = f"eval:{length}:{index}"

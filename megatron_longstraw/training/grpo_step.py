@@ -120,7 +120,7 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
                 rollouts = generate_from_state(
                     model, state, args.num_generations, args.max_response_length, temperature=args.temperature,
                     top_p=args.top_p, eos_id=eos_id, generator=generator,
-                    progress=lambda p: bar.update(p.step - bar.n))
+                    progress=lambda p: bar.update(p.step - bar.n), cuda_graphs=args.decode_cuda_graphs)
                 group.responses = [r.to(prompt_ids_1S.device) for r in rollouts.responses]
                 # the decoder's own log-probs (temperature 1: what replay scores): the gap is a health signal
                 group.sampler_logprobs = [lp.to(prompt_ids_1S.device) for lp in rollouts.logprobs]

@@ -8,7 +8,10 @@ import torch
 from megatron_longstraw.attention.decode_attention import decode_attention
 from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
+from megatron_longstraw.core.decode_state import new_decode_state
+from megatron_longstraw.longstraw import decode_graph
 from megatron_longstraw.longstraw.capture import capture_prompt
+from megatron_longstraw.longstraw.decode_step import decode_step
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.rollout.generate import generate_from_state
@@ -45,23 +48,61 @@ def test_decode_attention_fused_matches_math(backend, dim, batch, prompt, own, s
 # bf16 only: fp32 would compile a second set of fla kernels (minutes of GPU time); fp32
 # exactness of decoding is checked on CPU (tests/test_rollout.py)
 @pytest.mark.parametrize("preset,dtype", [("qwen3.5-debug", torch.bfloat16)])
-def test_rollout_matches_full_forward(single_process, preset, dtype, record_property):
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_rollout_matches_full_forward(single_process, preset, dtype, cuda_graphs, record_property):
     """Sampled rollouts of 4 samples after a 1000-token prompt: every step's logits against the full
     forward of prompt + that sample's tokens so far (fla and fused attention; fp32 runs the prompt
-    part in plain torch, fla may use TF32). GLM-5's decode path is plain torch, covered on CPU."""
+    part in plain torch, fla may use TF32), the steps run eagerly or replayed from CUDA graphs.
+    GLM-5's decode path is plain torch, covered on CPU."""
     hf = resolve_hf_config(preset)
     model = megatron_from_hf(hf, build_hf_model(hf, seed=0).to("cuda", dtype), ModelOptions(params_dtype=dtype))
     gen = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(0, hf["vocab_size"], (1, 1000), device="cuda", generator=gen)
     with torch.no_grad():
         state = capture_prompt(model, prompt, 256)
-        result = generate_from_state(model, state, 4, 24, temperature=1.0, generator=gen, keep_logits=True)
+        result = generate_from_state(model, state, 4, 24, temperature=1.0, generator=gen, keep_logits=True,
+                                     cuda_graphs=cuda_graphs)
+    assert result.cuda_graphs == cuda_graphs
+    with torch.no_grad():
         errors = []
         for response, logits in zip(result.responses, result.step_logits):
             full = forward_logits(model, torch.cat([prompt, response[None].cuda()], 1))[0, 999:-1].float()
             errors.append(_rel_norm(logits.cuda(), full))
     record_property("logit_rel_err_per_sample", ",".join(f"{e:.1e}" for e in errors))
     assert max(errors) < (3e-2 if dtype == torch.bfloat16 else 2e-3), errors
+
+
+def test_graphed_steps_equal_eager_steps(single_process, record_property):
+    """The same 100 tokens per sample fed to the eager decode step and to the one replayed from
+    CUDA graphs (own-key rows 64, then all 100: two captures), qwen3.5-debug bf16 after a 3000-token
+    prompt: logits within bf16 rounding at every step; the per-step times recorded (no bound)."""
+    hf = resolve_hf_config("qwen3.5-debug")
+    model = megatron_from_hf(hf, build_hf_model(hf, seed=0).to("cuda", torch.bfloat16),
+                             ModelOptions(params_dtype=torch.bfloat16))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prompt = torch.randint(0, hf["vocab_size"], (1, 3000), device="cuda", generator=gen)
+    tokens = torch.randint(0, hf["vocab_size"], (8, 100), device="cuda", generator=gen)
+    times = {"eager": [], "graphs": []}
+    with torch.no_grad():
+        state = capture_prompt(model, prompt, 1024)
+        eager = new_decode_state(model, state, 8, 100)
+        graphed = decode_graph.GraphedDecoder(model, new_decode_state(model, state, 8, 100), use_graphs=True)
+        errors = []
+        for step in range(100):
+            ids = tokens[:, step:step + 1]
+            for name, run in (("eager", lambda: decode_step(model, eager, ids)), ("graphs", lambda: graphed.step(ids))):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                out = run()
+                torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - start)
+                if name == "eager":
+                    want = out
+            errors.append(_rel_norm(out.float(), want.float()))
+    assert graphed.rows == 100 and int(graphed.length_t.item()) == 100  # 64 rows, then the capacity
+    record_property("ms_per_step", ", ".join(f"{k} {1e3 * sorted(v[10:])[len(v[10:]) // 2]:.2f}" for k, v in times.items()))
+    record_property("max_logit_rel_err", f"{max(errors):.1e}")
+    assert max(errors) < 1e-2, errors
 
 
 def test_rollout_speed_long_prompt(single_process, record_property):
