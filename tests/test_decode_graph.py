@@ -87,8 +87,8 @@ def test_generate_with_the_whole_batch_matches_full_forward(single_process, monk
 
 
 def test_what_graphs_refuse(single_process):
-    """Qwen3.5 (full attention and Gated DeltaNet) decodes in fixed shapes; GLM-5 (MoE, MLA) does
-    not, and ``generate_from_state`` then decodes eagerly; on the CPU no graph is made."""
+    """Qwen3.5 (full attention and Gated DeltaNet) decodes in fixed shapes; GLM-5 (MoE, MLA) and
+    FP8 do not; on the CPU no graph is made and ``generate_from_state`` decodes eagerly."""
     _, qwen = _model()
     hf, glm = _model("glm-5-debug")
     assert decode_graph.refusal(qwen) is None
@@ -98,9 +98,15 @@ def test_what_graphs_refuse(single_process):
         assert decode_graph.refusal(glm).endswith("layers") and "MoE" not in decode_graph.refusal(glm)
     finally:
         glm.config.num_moe_experts = experts
+    qwen.config.fp8 = "hybrid"
+    try:
+        assert decode_graph.refusal(qwen).startswith("FP8")
+    finally:
+        qwen.config.fp8 = None
     with torch.no_grad():
         state = capture_prompt(qwen, _prompt(resolve_hf_config("qwen3.5-debug")), CHUNK)
         assert decode_graph.graphed_decoder(qwen, new_decode_state(qwen, state, 2, 3)) is None  # CPU
         eager = generate_from_state(qwen, state, 2, 4, temperature=0.0)
         graphs = generate_from_state(qwen, state, 2, 4, temperature=0.0, cuda_graphs=True)
     assert [r.tolist() for r in graphs.responses] == [r.tolist() for r in eager.responses]
+    assert not graphs.cuda_graphs and not eager.cuda_graphs

@@ -250,6 +250,9 @@ def test_bad_input_is_refused(single_process):
         two = capture_prompt(model, torch.cat([_prompt(hf, 8)] * 2), 4)
         with pytest.raises(ValueError, match="decoding needs a prompt state of batch 1"):
             generate_from_state(model, two, 2, 4)
+        state.last_logits_BV[0, 3] = float("nan")  # a forward that overflowed
+        with pytest.raises(FloatingPointError, match="logits after the prompt are not finite"):
+            generate_from_state(model, state, 2, 4)
 
 
 # ----------------------------------------------------------------------------- tensor parallelism

@@ -16,8 +16,11 @@ happens there; it is a real step) and the graph is captured right after it, for 
 that follow. The batch stays whole: samples that finished keep decoding, their tokens unused.
 
 Graphs need CUDA, one rank per model replica (no TP, CP, PP or EP), no MoE layers (their
-routing sizes its work on the host), no learned position embedding, and every stateful layer's
-``supports_static_decode``; ``refusal`` says what is missing. Without ``use_graphs`` the same
+routing sizes its work on the host), no FP8, no learned position embedding, and every stateful
+layer's ``supports_static_decode``; ``refusal`` says what is missing. Activation recomputation
+is off inside the step (it would save the RNG state, which a capture cannot; under no_grad it
+recomputes nothing). Each capture synchronizes the GPU and empties the allocator's cache
+(``torch.cuda.graph``), a handful of times per call of ``generate_from_state``. Without ``use_graphs`` the same
 fixed-shape step runs eagerly (what the CPU tests compare against the ordinary decode step).
 """
 
@@ -28,7 +31,7 @@ from megatron.core import parallel_state
 
 from megatron_longstraw.core.binding import Mode, StaticDecode, bind, stateful_modules
 from megatron_longstraw.core.decode_state import DecodeState
-from megatron_longstraw.longstraw.model_steps import embed, output_logits
+from megatron_longstraw.longstraw.model_steps import embed, output_logits, without_activation_recompute
 
 MIN_OWN_ROWS = 64
 """Fewest own-key rows a captured step reads (the first sizes are not worth a capture each)."""
@@ -46,6 +49,8 @@ def refusal(model) -> Optional[str]:
             return f"{'/'.join(split)} parallelism"
     if getattr(model.config, "num_moe_experts", None):
         return "MoE layers"
+    if getattr(model.config, "fp8", None) or getattr(model.config, "fp4", None):
+        return "FP8/FP4 (Transformer Engine's scaling bookkeeping runs on the host)"
     if getattr(model.embedding, "add_position_embedding", False):
         return "a learned position embedding"
     layers = [type(m).__name__ for m in stateful_modules(model).values() if not m.supports_static_decode]
@@ -72,6 +77,7 @@ class GraphedDecoder:
 
     def __init__(self, model, state: DecodeState, use_graphs: bool):
         assert refusal(model) is None, refusal(model)
+        assert state.length == 0, "a fixed-shape decoder starts from a fresh decode state"
         self.model, self.state, self.use_graphs = model, state, use_graphs
         device = next(model.parameters()).device
         assert not use_graphs or device.type == "cuda", device
@@ -81,13 +87,17 @@ class GraphedDecoder:
         self.rows = 0               # own-key rows of the captured step
         self.graph = None
         self.logits_BV = None       # the captured step's output
+        self.replays = 0            # steps replayed from a graph (not the eager ones before captures)
         self.stream = torch.cuda.Stream(device) if use_graphs else None
 
     def _forward(self) -> torch.Tensor:
         """The step in fixed shapes: what is captured (and run once before each capture)."""
         model = self.model
         static = StaticDecode(self.length_t, self.rows)
-        with bind(model, Mode.DECODE, self.state, valid_length=1, static_decode=static):
+        # activation recomputation would save and restore the RNG state (not capturable); under
+        # no_grad it recomputes nothing anyway
+        with without_activation_recompute(model), \
+                bind(model, Mode.DECODE, self.state, valid_length=1, static_decode=static):
             hidden_SBH = embed(model, self.ids_B1, 0)  # position ids unused: no learned positions
             hidden_SBH = model.decoder(hidden_states=hidden_SBH, attention_mask=None, rotary_pos_emb=self.rotary)
             logits_BV = output_logits(model, hidden_SBH[-1:])[0]
@@ -136,6 +146,7 @@ class GraphedDecoder:
             logits_BV = self._capture()
         else:
             self.graph.replay()
+            self.replays += 1
             logits_BV = self.logits_BV.clone()  # the next replay writes over the graph's output
         state.advance(1)
         return logits_BV

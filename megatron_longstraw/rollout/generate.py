@@ -73,7 +73,7 @@ class Rollouts:
     seconds: float
     decode_steps: int                 # batched forwards through the model
     decode_state_bytes: int           # per-sample state allocated at the start (this rank)
-    cuda_graphs: bool = False         # the decode steps were replayed from CUDA graphs
+    cuda_graphs: bool = False         # decode steps were replayed from CUDA graphs
     step_logits: Optional[list[torch.Tensor]] = field(default=None, repr=False)
 
     @property
@@ -131,6 +131,20 @@ def _check(model, prompt_state: PromptState, num_samples: int, max_new_tokens: i
     check_pipeline(model)
 
 
+def _check_finite(logits_1V: Optional[torch.Tensor], device) -> None:
+    """``FloatingPointError`` unless the last pipeline stage's first logits are finite (a NaN would
+    end in a device-side assert of the first draw), raised on every stage alike."""
+    finite = torch.ones((), dtype=torch.int32, device=device)
+    if logits_1V is not None:
+        finite.fill_(int(bool(torch.isfinite(logits_1V).all())))
+    if pipeline_parallel():
+        torch.distributed.broadcast(finite, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                    group=parallel_state.get_pipeline_model_parallel_group())
+    if not finite.item():
+        raise FloatingPointError("the next-token logits after the prompt are not finite (NaN or inf): the "
+                                 "capture's forward overflowed, or the model's weights are not finite")
+
+
 def _samples_on_every_stage(tokens_B, scores_B2, rows: int, device):
     """The last pipeline stage's sampled tokens ``[b]`` and their log-probabilities ``[b, 2]`` on
     every stage (the other stages pass ``None`` and get them); unchanged without pipelining."""
@@ -161,10 +175,14 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
     replay the decode step from CUDA graphs where the model, its layout and its device allow
     (``longstraw/decode_graph.py``; the batch then stays whole, finished samples decoding on
     unused). Raises ``ValueError`` for bad sampling settings, a response that would exceed the
-    model's positions, or a state from another model.
+    model's positions, or a state from another model; ``FloatingPointError`` (on every pipeline
+    stage) when the logits after the prompt are not finite.
     """
     _check(model, prompt_state, num_samples, max_new_tokens, temperature, top_p)
     start = time.perf_counter()
+    samples_here = not pipeline_parallel() or parallel_state.is_pipeline_last_stage()  # has the logits
+    first_1V = full_vocab_logits(model, _first_logits(model, prompt_state)) if samples_here else None
+    _check_finite(first_1V, device=next(model.parameters()).device)
     state = new_decode_state(model, prompt_state, num_samples, capacity=max_new_tokens - 1)
     state_bytes = state.nbytes()
     state_device = next(model.parameters()).device
@@ -174,12 +192,10 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
     sampling_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.float32)
     lengths = [0] * num_samples
     stopped_by_eos = [False] * num_samples
-    samples_here = not pipeline_parallel() or parallel_state.is_pipeline_last_stage()  # has the logits
     kept_logits = [[] for _ in range(num_samples)] if keep_logits and samples_here else None
     rows = list(range(num_samples))  # sample id of each row of the batch
     decoding = set(rows)  # the samples not finished (with graphs finished ones stay in the batch)
-    logits_BV = full_vocab_logits(model, _first_logits(model, prompt_state)).expand(num_samples, -1) \
-        if samples_here else None
+    logits_BV = first_1V.expand(num_samples, -1) if samples_here else None
     steps = 0
     lockstep = ExpertLockstep(model)  # EP over data-parallel ranks: their groups stop at different steps
     try:
@@ -236,6 +252,6 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
         seconds=time.perf_counter() - start,
         decode_steps=steps,
         decode_state_bytes=state_bytes,
-        cuda_graphs=graphed is not None,
+        cuda_graphs=graphed is not None and graphed.replays > 0,
         step_logits=[torch.stack(x) for x in kept_logits] if kept_logits is not None else None,
     )
