@@ -348,3 +348,29 @@ def test_sampling_settings_are_checked():
                                      (1.0, 0.0, "--top-p"), (1.0, 1.01, "--top-p")):
         with pytest.raises(ValueError, match=flag):
             check_sampling(temperature, top_p)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.7, 1.0), (1.0, 0.8), (1.3, 0.6)])
+def test_token_distribution_matches_the_sampling_functions(temperature, top_p):
+    """A decoding step's draw and log-probabilities from one ``TokenDistribution``: the same
+    scores as ``token_logprobs_full_vocab`` and ``sampling_logprobs`` (1e-5), greedy = argmax,
+    and draws whose frequencies follow ``sampling_probs`` (4,000 draws per row)."""
+    from megatron_longstraw.rollout.sampling import TokenDistribution, log_softmax_rows, token_logprobs_full_vocab
+
+    logits = 2 * torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    dist = TokenDistribution(logits, temperature, top_p)
+    assert torch.allclose(log_softmax_rows(logits), logits.log_softmax(-1), atol=1e-6)
+    tokens = torch.tensor([0, 5, 10])
+    if temperature > 0:  # score tokens the sampling distribution keeps
+        tokens = sampling_probs(logits, temperature, top_p).argmax(-1)
+    model, sampling = dist.scores(tokens)
+    assert torch.allclose(model, token_logprobs_full_vocab(logits, tokens), atol=1e-5)
+    assert torch.allclose(sampling, sampling_logprobs(logits, tokens, temperature, top_p), atol=1e-5)
+    if temperature == 0:
+        assert torch.equal(dist.draw(), logits.argmax(-1))
+        return
+    many = TokenDistribution(logits.repeat_interleave(4000, 0), temperature, top_p).draw(torch.Generator().manual_seed(1))
+    counts = torch.stack([torch.bincount(many[i * 4000:(i + 1) * 4000], minlength=11) for i in range(3)]) / 4000
+    probs = sampling_probs(logits, temperature, top_p)
+    assert (counts - probs).abs().max().item() < 0.03
+    assert not counts[probs == 0].any()  # nothing outside the nucleus

@@ -39,8 +39,7 @@ from megatron_longstraw.longstraw.model_steps import output_logits
 from megatron_longstraw.longstraw.pipeline import check_pipeline, pipeline_parallel
 from megatron_longstraw.core.state import PromptState
 from megatron_longstraw.models.pipeline_stage import last_chunk
-from megatron_longstraw.rollout.sampling import (
-    check_sampling, sample_tokens, sampling_logprobs, token_logprobs_full_vocab)
+from megatron_longstraw.rollout.sampling import TokenDistribution, check_sampling
 
 
 @dataclass
@@ -145,6 +144,24 @@ def _check_finite(logits_1V: Optional[torch.Tensor], device) -> None:
                                  "capture's forward overflowed, or the model's weights are not finite")
 
 
+def _to_host(tokens_B: torch.Tensor, scores_B2: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """Start copying a step's tokens and scores to the host without waiting for the GPU's later
+    work; the returned function waits for the copies only and gives them."""
+    if not tokens_B.is_cuda:
+        return lambda: (tokens_B.cpu(), scores_B2.cpu())
+    tokens_host = torch.empty(tokens_B.shape, dtype=tokens_B.dtype, pin_memory=True)
+    scores_host = torch.empty(scores_B2.shape, dtype=scores_B2.dtype, pin_memory=True)
+    tokens_host.copy_(tokens_B, non_blocking=True)
+    scores_host.copy_(scores_B2, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait():
+        copied.synchronize()
+        return tokens_host, scores_host
+    return wait
+
+
 def _samples_on_every_stage(tokens_B, scores_B2, rows: int, device):
     """The last pipeline stage's sampled tokens ``[b]`` and their log-probabilities ``[b, 2]`` on
     every stage (the other stages pass ``None`` and get them); unchanged without pipelining."""
@@ -169,8 +186,8 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
     """Decode ``num_samples`` responses of at most ``max_new_tokens`` tokens from ``prompt_state``.
 
     ``prompt_state`` is a batch-1 state captured by ``model`` (``capture_prompt``); it is read,
-    never modified or copied per sample. Tokens are drawn with ``sampling.sample_tokens``
-    (greedy at ``temperature == 0``). A sample stops after ``eos_id`` (kept as its last token) or
+    never modified or copied per sample. Tokens are drawn from the tempered, top-p-filtered
+    distribution (``sampling.TokenDistribution``; greedy at ``temperature == 0``). A sample stops after ``eos_id`` (kept as its last token) or
     at ``max_new_tokens``. ``progress``, if given, is called after every step. ``cuda_graphs``:
     replay the decode step from CUDA graphs where the model, its layout and its device allow
     (``longstraw/decode_graph.py``; the batch then stays whole, finished samples decoding on
@@ -202,12 +219,19 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
         for step in range(max_new_tokens):
             tokens_B = scores_B2 = None
             if samples_here:
-                tokens_B = _same_on_model_parallel_ranks(sample_tokens(logits_BV, temperature, top_p, generator))
-                scores_B2 = torch.stack([token_logprobs_full_vocab(logits_BV, tokens_B),
-                                         sampling_logprobs(logits_BV, tokens_B, temperature, top_p)], -1).float()
+                distribution = TokenDistribution(logits_BV, temperature, top_p)
+                tokens_B = _same_on_model_parallel_ranks(distribution.draw(generator))
+                scores_B2 = torch.stack(distribution.scores(tokens_B), -1)
             tokens_B, scores_B2 = _samples_on_every_stage(tokens_B, scores_B2, len(rows), device=state_device)
-            logprobs_B, sampling_B = scores_B2.cpu().unbind(-1)
-            tokens_cpu = tokens_B.cpu()
+            on_host = _to_host(tokens_B, scores_B2)
+            ahead_BV = None
+            if graphed is not None and step + 1 < max_new_tokens:
+                # the next step runs on the GPU while the host reads this one's tokens (the batch
+                # stays whole, so it needs nothing the host decides); wasted if every sample stops
+                ahead_BV = graphed.step(tokens_B[:, None])
+                steps += 1
+            tokens_cpu, scores_cpu = on_host()
+            logprobs_B, sampling_B = scores_cpu.unbind(-1)
             keep = []
             for row, sample in enumerate(rows):
                 if sample not in decoding:
@@ -234,11 +258,11 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
                 state.select_samples(index_B)
                 tokens_B = tokens_B.index_select(0, index_B)
                 rows = [rows[row] for row in keep]
-            lockstep.busy()
             if graphed is not None:
-                logits_BV = graphed.step(tokens_B[:, None])
-            else:
-                logits_BV = decode_step(model, state, tokens_B[:, None])
+                logits_BV = full_vocab_logits(model, ahead_BV)
+                continue
+            lockstep.busy()
+            logits_BV = decode_step(model, state, tokens_B[:, None])
             logits_BV = None if logits_BV is None else full_vocab_logits(model, logits_BV)
             steps += 1
         lockstep.finish()

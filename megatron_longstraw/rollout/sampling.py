@@ -2,7 +2,8 @@
 
 Pure functions on full-vocabulary logits ``[b, vocab]``. Order: temperature first, then top-p on
 the tempered distribution, then a draw (HF ``generate``'s order). Temperature 0 means greedy
-(argmax, ties to the lowest token id); top-p 1 keeps every token.
+(argmax, ties to the lowest token id); top-p 1 keeps every token. ``TokenDistribution`` does a
+decoding step's draw and both log-probabilities from one pass over the logits.
 """
 
 from typing import Optional
@@ -79,3 +80,47 @@ def sampling_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperatu
         return torch.zeros(tokens_B.shape, dtype=torch.float32, device=logits_BV.device)
     filtered_BV = top_p_filter(scale_logits(logits_BV, temperature), top_p)
     return filtered_BV.log_softmax(dim=-1).gather(-1, tokens_B[:, None])[:, 0]
+
+
+def log_softmax_rows(logits_BV: torch.Tensor) -> torch.Tensor:
+    """fp32 ``log softmax`` over the vocabulary as ``logits - logsumexp(logits)``. torch's softmax
+    kernels give each row one thread block, so G rows of a 248K vocabulary keep G
+    multiprocessors busy (~60 us a call on an H200); its reductions split a long row over many."""
+    logits_BV = logits_BV.float()
+    return logits_BV - torch.logsumexp(logits_BV, dim=-1, keepdim=True)
+
+
+class TokenDistribution:
+    """One decoding step's next-token distributions ``[b, vocab]``: what ``sample_tokens`` draws
+    from, and both log-probabilities of a drawn token (``token_logprobs_full_vocab``'s and
+    ``sampling_logprobs``'), from one log-sum-exp of the logits (two where temperature or top-p
+    change the distribution)."""
+
+    def __init__(self, logits_BV: torch.Tensor, temperature: float, top_p: float):
+        check_sampling(temperature, top_p)
+        self.temperature = temperature
+        self.logits_BV = logits_BV.float()
+        self.model_lse_B1 = torch.logsumexp(self.logits_BV, dim=-1, keepdim=True)
+        self.sampling_logq_BV = None  # log q over the vocabulary (None when greedy)
+        if temperature > 0 and (temperature != 1 or top_p < 1):
+            self.sampling_logq_BV = log_softmax_rows(top_p_filter(scale_logits(self.logits_BV, temperature), top_p))
+        elif temperature > 0:  # the model's own distribution
+            self.sampling_logq_BV = self.logits_BV - self.model_lse_B1
+
+    def draw(self, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """One token id per row (``[b]`` int64 on the logits' device): the argmax (lowest id on
+        ties) when greedy, else a draw with ``generator`` (on the generator's device)."""
+        if self.sampling_logq_BV is None:
+            return self.logits_BV.argmax(dim=-1)
+        probs_BV = self.sampling_logq_BV.exp()
+        device = generator.device if generator is not None else probs_BV.device
+        return torch.multinomial(probs_BV.to(device), 1, generator=generator)[:, 0].to(self.logits_BV.device)
+
+    def scores(self, tokens_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log p(token), log q(token))`` per row, fp32: the model's (temperature 1, no top-p)
+        and the sampling distribution's (0 when greedy)."""
+        index_B1 = tokens_B[:, None]
+        model_B = (self.logits_BV.gather(-1, index_B1) - self.model_lse_B1)[:, 0]
+        if self.sampling_logq_BV is None:
+            return model_B, torch.zeros_like(model_B)
+        return model_B, self.sampling_logq_BV.gather(-1, index_B1)[:, 0]
