@@ -103,6 +103,10 @@ def _checkpointing(p):
                         "saves that iteration; the earlier tracker is set aside after the first step) and a "
                         "--wandb-save-dir with an earlier run's metrics.jsonl (kept as metrics.jsonl.N)")
     g.add_argument("--save-interval", type=int, default=None, help="save every N steps (default: only at the end)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop after the first step that ends this many minutes after training began (start-up "
+                        "not counted), saving a checkpoint there unless --no-save; the same command run again "
+                        "resumes from it (default: unset, run to --train-iters)")
     g.add_argument("--no-save", action="store_true", help="write no checkpoint (nor resume from --save)")
     g.add_argument("--pretrained-checkpoint", default=None,
                    help="initial weights and the model: a Megatron checkpoint from tools/convert_checkpoint.py, "
@@ -325,6 +329,8 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
                          "advantage 0 and nothing trains")
     if args.save_interval is not None and args.save_interval < 1:
         raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise ValueError(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
     args.parallel = ParallelSizes(args.tensor_model_parallel_size, args.context_parallel_size,
                                   args.expert_model_parallel_size, args.pipeline_model_parallel_size,
                                   args.num_virtual_stages_per_pipeline_rank)

@@ -59,6 +59,7 @@ def train(args):
     groups_per_rank = args.global_batch_size // args.data_parallel_size
     policy_loss = get_policy_loss(args.loss_type)
     metrics = {}
+    began = time.monotonic()  # --exit-duration-in-mins counts from here
     try:
         while iteration < args.train_iters:
             start, clock = time.perf_counter(), PhaseClock()
@@ -102,8 +103,9 @@ def train(args):
                             "time/step_s": time.perf_counter() - start})
             if torch.cuda.is_available():
                 metrics["mem/peak_gib"] = max(v for k, v in clock.metrics.items() if k.startswith("mem/"))
+            out_of_time = _out_of_time(began, args.exit_duration_in_mins) and iteration < args.train_iters
             try:
-                if not args.no_save and (iteration == args.train_iters or
+                if not args.no_save and (iteration == args.train_iters or out_of_time or
                                          (args.save_interval and iteration % args.save_interval == 0)):
                     save_start = time.perf_counter()
                     state = {"data": source.state_dict(), "wandb_run_id": logger.run_id}
@@ -111,9 +113,25 @@ def train(args):
                     metrics["time/save_s"] = time.perf_counter() - save_start
             finally:  # the step's metrics, with its save's time; also when the save fails
                 logger.log(iteration, metrics)
+            if out_of_time:
+                if rank0:
+                    saved = "no checkpoint (--no-save)" if args.no_save else f"saved iteration {iteration}"
+                    print(f"stopping at iteration {iteration} of {args.train_iters}: --exit-duration-in-mins "
+                          f"{args.exit_duration_in_mins:g} reached; {saved}, the same command resumes", flush=True)
+                break
     finally:
         logger.finish()
     return metrics, model
+
+
+def _out_of_time(began: float, minutes) -> bool:
+    """Whether ``minutes`` have passed since ``began`` on any rank (every rank stops at the same
+    step: the decision is all-reduced)."""
+    if minutes is None:
+        return False
+    late = torch.tensor([int(time.monotonic() - began >= 60 * minutes)], device=device())
+    torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX)
+    return bool(late.item())
 
 
 def _same_on_every_rank(value: int, what: str) -> None:
