@@ -89,3 +89,39 @@ def test_the_plan_check_plans_the_longest_prompt_of_the_run(tmp_path):
     args = train_grpo.parse_args(_args(tmp_path, "--prompt-length-schedule", "40:2,64", "--eval-interval", "2",
                                        "--eval-prompt-lengths", "40,256"))
     assert trainer_prompt_length(args, hf) == (256, "--eval-prompt-lengths")
+
+
+def test_skip_train_evaluates_a_checkpoint_and_writes_no_metrics_row(tmp_path, capsys):
+    """``--skip-train`` on a run's folder: the newest checkpoint evaluated at two lengths, the
+    figures printed and written to ``eval_iter_<N>.json``; the run's metrics and checkpoint untouched."""
+    argv = [a for a in _args(tmp_path, "--wandb-mode", "offline") if a != "--no-save"]
+    argv[argv.index("--train-iters") + 1] = "2"
+    argv += ["--save", str(tmp_path / "ckpt")]
+    args = train_grpo.parse_args(argv)
+    init_distributed(args.parallel, seed=args.seed)
+    try:
+        loop.train(args)
+    finally:
+        destroy_distributed()
+    metrics = (tmp_path / "wandb" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    args = train_grpo.parse_args(argv + ["--skip-train", "--eval-prompts", "2", "--eval-prompt-lengths", "40,64"])
+    assert args.load == str(tmp_path / "ckpt")  # the newest checkpoint in --save
+    init_distributed(args.parallel, seed=args.seed)
+    try:
+        figures, _ = loop.train(args)
+    finally:
+        destroy_distributed()
+    record = json.loads((tmp_path / "wandb" / "eval_iter_0000002.json").read_text())
+    assert record["iteration"] == 2 and record["lengths"] == [40, 64] and record["eval_prompts"] == 2
+    for key in ("eval/len40/greedy_reward", "eval/len64/sampled_reward", "eval/greedy_reward"):
+        assert 0.0 <= record[key] <= 1.0 and record[key] == figures[key]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
+    assert (tmp_path / "wandb" / "metrics.jsonl").read_text() == metrics
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_skip_train_is_for_the_synthetic_task(tmp_path):
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
+    with pytest.raises(ValueError, match="--skip-train evaluates on held-out prompts of the synthetic task"):
+        train_grpo.parse_args(_args(tmp_path, "--skip-train", "--data-path", str(tmp_path / "prompts.jsonl")))

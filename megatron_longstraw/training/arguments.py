@@ -214,6 +214,10 @@ def _evaluation(p):
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-interval", type=int, default=0,
                    help="every N steps, greedy and sampled reward on held-out synthetic prompts (eval/*); 0: never")
+    g.add_argument("--skip-train", action="store_true",
+                   help="no training: evaluate the checkpoint (--load, or the newest in --save; without one the "
+                        "initial weights) on held-out synthetic prompts at --eval-prompt-lengths, print the "
+                        "eval/* figures and write them to <--wandb-save-dir>/eval_iter_<N>.json")
     g.add_argument("--eval-prompts", type=int, default=16,
                    help="held-out prompts per length (a multiple of the data-parallel size)")
     g.add_argument("--eval-prompt-lengths", default=None,
@@ -424,9 +428,10 @@ def _curriculum_and_evaluation(args) -> None:
         args.synthetic_prompt_length = args.curriculum.longest  # the plan check's and the positions'
     if args.eval_interval < 0:
         raise ValueError(f"--eval-interval must be >= 0, got {args.eval_interval}")
-    if args.eval_interval:
+    if args.eval_interval or args.skip_train:
+        flag = "--eval-interval" if args.eval_interval else "--skip-train"
         if not synthetic:
-            raise ValueError("--eval-interval evaluates on held-out prompts of the synthetic task (--data-path "
+            raise ValueError(f"{flag} evaluates on held-out prompts of the synthetic task (--data-path "
                              "synthetic, internal rollouts)")
         if args.eval_prompts < 1 or args.eval_prompts % args.data_parallel_size:
             raise ValueError(f"--eval-prompts {args.eval_prompts} must be a positive multiple of the data-parallel "
@@ -472,7 +477,7 @@ def _resume_or_start_fresh(args) -> None:
                          f"fresh run would replace them: resume one with --load {save / saved[-1]}, or start "
                          "fresh with --no-load --overwrite")
     metrics = Path(args.wandb_save_dir) / METRICS_NAME
-    if has_rows(metrics):
+    if has_rows(metrics) and not args.skip_train:  # --skip-train writes no metrics row
         why = ("--no-load" if args.no_load else "--no-save: nothing is resumed" if args.no_save
                else f"no checkpoint in --save {save}")
         raise ValueError(f"{metrics} holds an earlier run's metrics and this run starts fresh ({why}): add "

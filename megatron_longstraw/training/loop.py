@@ -2,7 +2,9 @@
 prompt groups (``grpo_step.train_group``), the loss's end-of-step scale, Megatron's optimizer,
 metrics and checkpoints. Imported after the arguments are parsed (``train_grpo.main``)."""
 
+import json
 import time
+from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
@@ -28,7 +30,7 @@ def train(args):
     rank0 = torch.distributed.get_rank() == 0
     done = checkpoint_iteration(args.load) if args.load else 0
     _same_on_every_rank(done, "the iteration to resume from")
-    if args.load:
+    if args.load and not args.skip_train:
         if done >= args.train_iters:
             if rank0:
                 print(f"nothing to do: {resolve_checkpoint_dir(args.load)} is at iteration {done}, "
@@ -52,6 +54,8 @@ def train(args):
             auto = " (the latest in --save; --no-load starts fresh)" if args.load == args.save else ""
             print(f"resuming from {resolve_checkpoint_dir(args.load)} at iteration {iteration}{auto}, loaded in "
                   f"{time.perf_counter() - load_start:.1f} s", flush=True)
+    if args.skip_train:
+        return evaluate_checkpoint(model, source, args, reward_fn, tokenizer.eos_id, iteration, rank0), model
     logger = RunLogger(args, {k: v for k, v in vars(args).items() if k != "parallel"},
                        run_id=trainer_state.get("wandb_run_id"), resume_step=iteration)
     generator = torch.Generator(device=device())  # sampling; reseeded per step so resumes are exact
@@ -122,6 +126,22 @@ def train(args):
     finally:
         logger.finish()
     return metrics, model
+
+
+def evaluate_checkpoint(model, source, args, reward_fn, eos_id: int, iteration: int, rank0: bool) -> dict:
+    """``--skip-train``: the held-out eval figures of the loaded weights at ``--eval-prompt-lengths``,
+    printed as one JSON line and written (rank 0, atomically) to
+    ``<--wandb-save-dir>/eval_iter_<iteration>.json``."""
+    metrics = evaluate(model, source.dataset.task, args.eval_lengths, args, reward_fn, eos_id, iteration)
+    if rank0:
+        record = {"iteration": iteration, "eval_prompts": args.eval_prompts, "lengths": args.eval_lengths, **metrics}
+        path = Path(args.wandb_save_dir) / f"eval_iter_{iteration:07d}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(record, indent=1) + "\n")
+        partial.replace(path)
+        print(json.dumps(record), flush=True)
+    return metrics
 
 
 def _out_of_time(began: float, minutes) -> bool:
