@@ -17,14 +17,14 @@ from megatron_longstraw.training.arguments import parse_args
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _launch(tmp_path, script: str, env: dict) -> list[str]:
-    """The arguments ``examples/{script}`` gives the interpreter, with ``env`` set."""
+def _launch(tmp_path, script: str, env: dict, *args: str) -> list[str]:
+    """The arguments ``examples/{script} args...`` gives the interpreter, with ``env`` set."""
     record = tmp_path / "argv"
     stub = tmp_path / "python"
     stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "{record}"\n')
     stub.chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    subprocess.run(["bash", str(ROOT / "examples" / script)], check=True, capture_output=True, timeout=60,
+    subprocess.run(["bash", str(ROOT / "examples" / script), *args], check=True, capture_output=True, timeout=60,
                    env={**base, "PYTHON": str(stub), "RUN_DIR": str(tmp_path / "run"), **env})
     return record.read_text().split("\0")[:-1]
 
@@ -73,3 +73,25 @@ def test_glm_recipe_decodes_under_cp_or_trains_on_rollouts_it_is_given(tmp_path)
     args = parse_args(argv, world_size=32)
     assert (args.context_parallel_size, args.expert_model_parallel_size) == (32, 32)
     assert args.rollout_source == "jsonl" and args.rollout_path == str(rollouts)
+
+
+def test_retrieval_study_runs_both_modes_alike(tmp_path):
+    """The study's two arms differ only in ``--prompt-gradient`` and their folders; each stops
+    within a 10-minute job and resumes; an evaluation-only launch takes the extra flags; a wrong
+    mode is one line and a non-zero exit."""
+    runs = {}
+    for mode in ("exact", "detached"):
+        argv = _launch(tmp_path, "retrieval_study.sh", {}, mode)
+        assert argv[0] == "train_grpo.py"
+        args = parse_args(argv[1:])
+        assert args.prompt_gradient == mode and args.save == f"runs/retrieval-{mode}/checkpoints"
+        assert args.exit_duration_in_mins < 10 and args.curriculum.longest == 32768 and args.eval_interval
+        runs[mode] = [a for a in argv if a not in (mode, f"runs/retrieval-{mode}/checkpoints",
+                                                   f"retrieval-{mode}", f"runs/retrieval-{mode}")]
+    assert runs["exact"] == runs["detached"]
+    args = parse_args(_launch(tmp_path, "retrieval_study.sh", {}, "exact", "--skip-train",
+                              "--eval-prompt-lengths", "131072,524288")[1:])
+    assert args.skip_train and args.eval_lengths == [131072, 524288]
+    bad = subprocess.run(["bash", str(ROOT / "examples/retrieval_study.sh"), "full"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHON": "false"})
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: the mode must be exact or detached, got 'full'"
