@@ -7,8 +7,8 @@
 #   bash examples/retrieval_study.sh exact          # then: detached
 #   bash examples/retrieval_study.sh exact --skip-train --eval-prompt-lengths 131072,524288
 #
-# Each launch stops after about 8 minutes with a checkpoint (--exit-duration-in-mins) and the same
-# command continues the run, so it fits jobs of a 10-minute limit; the metrics continue in
+# Each launch stops after about 7 minutes of training with a checkpoint (--exit-duration-in-mins)
+# and the same command continues the run, so it fits a job time limit; the metrics continue in
 # runs/retrieval-<mode>/metrics.jsonl. The curves side by side:
 #   python tools/plot_metrics.py exact=runs/retrieval-exact/metrics.jsonl \
 #       detached=runs/retrieval-detached/metrics.jsonl --keys reward/mean,eval/greedy_reward \
@@ -27,6 +27,6 @@ case "$mode" in exact|detached) ;; *) echo "error: the mode must be exact or det
     --train-iters 400 --global-batch-size 8 --num-generations 8 --replay-micro-batch-size 8 \
     --lr 1e-3 --clip-grad 1.0 --seed 1 \
     --eval-interval 25 --eval-prompts 32 --eval-prompt-lengths 512,32768 \
-    --exit-duration-in-mins 8 --save-interval 50 \
+    --exit-duration-in-mins 7 --save-interval 50 \
     --save "runs/retrieval-$mode/checkpoints" --wandb-exp-name "retrieval-$mode" \
     --wandb-save-dir "runs/retrieval-$mode" "$@"

@@ -121,7 +121,10 @@ def test_skip_train_evaluates_a_checkpoint_and_writes_no_metrics_row(tmp_path, c
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
-def test_skip_train_is_for_the_synthetic_task(tmp_path):
+def test_skip_train_needs_a_checkpoint_of_the_synthetic_task(tmp_path):
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
     with pytest.raises(ValueError, match="--skip-train evaluates on held-out prompts of the synthetic task"):
         train_grpo.parse_args(_args(tmp_path, "--skip-train", "--data-path", str(tmp_path / "prompts.jsonl")))
+    argv = [a for a in _args(tmp_path, "--skip-train") if a != "--no-save"] + ["--save", str(tmp_path / "empty")]
+    with pytest.raises(ValueError, match=r"^--skip-train: no checkpoint to evaluate \(give --load, or a --save that"):
+        train_grpo.parse_args(argv)

@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from megatron_longstraw.models.norms import RMSNorm
+from megatron_longstraw.models.norms import RMSNorm, fused_without_autograd
 
 
 def _config(dtype):
@@ -17,9 +17,10 @@ def _config(dtype):
 # nearly the same fp32 value (at most one unit in the last place apart)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-14), (torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)])
 @pytest.mark.parametrize("zero_centered", [True, False])
-def test_no_grad_path_equals_the_autograd_path(dtype, tol, zero_centered):
-    """Capture and decoding (no autograd) normalize as replay does, and both as the fp64 formula
-    ``x / rms(x) * (1 + w)`` (or ``* w``), within the rounding of the computing dtype."""
+def test_fused_path_equals_the_autograd_path(dtype, tol, zero_centered):
+    """Capture and decoding (no autograd, the fused kernel) normalize as replay does, and both as
+    the fp64 formula ``x / rms(x) * (1 + w)`` (or ``* w``), within the rounding of the computing
+    dtype; without autograd outside that block (scoring) the result is replay's bit for bit."""
     norm = RMSNorm(_config(dtype), 48, eps=1e-6, zero_centered_gamma=zero_centered)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(48, generator=torch.Generator().manual_seed(0)).to(dtype))
@@ -27,7 +28,9 @@ def test_no_grad_path_equals_the_autograd_path(dtype, tol, zero_centered):
     with_grad = norm(x)
     assert with_grad.requires_grad and with_grad.dtype == dtype
     with torch.no_grad():
-        without = norm(x)
+        assert torch.equal(norm(x), with_grad.detach())  # scoring: the old log-probs are replay's
+        with fused_without_autograd():
+            without = norm(x)
     diff = (without.double() - with_grad.detach().double()).abs().max().item()
     scale = with_grad.detach().double().abs().max().item()
     assert diff <= tol * scale, diff

@@ -374,3 +374,14 @@ def test_token_distribution_matches_the_sampling_functions(temperature, top_p):
     probs = sampling_probs(logits, temperature, top_p)
     assert (counts - probs).abs().max().item() < 0.03
     assert not counts[probs == 0].any()  # nothing outside the nucleus
+    # a token outside the nucleus scores -inf; a masked (-inf) logit is never drawn
+    if top_p < 1:
+        row, token = (probs == 0).nonzero()[0].tolist()
+        tokens = probs.argmax(-1)
+        tokens[row] = token
+        assert dist.scores(tokens)[1][row] == float("-inf")
+    masked = logits.clone()
+    masked[:, 0] = float("-inf")
+    drawn = TokenDistribution(masked.repeat_interleave(500, 0), temperature, top_p).draw(torch.Generator().manual_seed(2))
+    model_lp, _ = TokenDistribution(masked, temperature, top_p).scores(torch.tensor([0, 0, 0]))
+    assert not (drawn == 0).any() and (model_lp == float("-inf")).all()

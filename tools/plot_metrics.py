@@ -47,7 +47,7 @@ def moving_average(values: list[float], window: int) -> list[float]:
 def parse_run(text: str) -> tuple[str, Path]:
     """``LABEL=PATH`` or ``PATH`` (labelled by its folder's name)."""
     label, sep, path = text.partition("=")
-    if not sep:
+    if not sep or "/" in label or Path(text).is_file():  # a path that holds "=" is a path
         path = text
         label = Path(text).parent.name or Path(text).stem
     return label, Path(path)

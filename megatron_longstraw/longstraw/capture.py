@@ -20,6 +20,7 @@ from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
 from megatron_longstraw.longstraw.model_steps import FinalNormInput, decode, output_logits, sequence_parallel
 from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
 from megatron_longstraw.models.fp8 import prepare_forward
+from megatron_longstraw.models.norms import fused_without_autograd
 from megatron_longstraw.models.pipeline_stage import last_chunk
 
 
@@ -96,20 +97,21 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
     last_stage = parallel_state.is_pipeline_last_stage()
     final_norm = FinalNormInput(last_chunk(model)) if last_stage else None
     lockstep = ExpertLockstep(model)  # EP over data-parallel ranks: their prompts differ in length
-    try:
-        for chunk_start, sizes in plan:
-            start = chunk_start + sum(sizes[:rank])
-            shard_ids_BS = prompt_ids_BS[:, start:start + sizes[rank]]
-            lockstep.busy()
-            with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=sizes[rank],
-                      shard_sizes=None if cp_group is None else sizes, exact=exact):
-                hidden_SBH = run_stages(model, shard_ids_BS, start, lambda part, h: decode(part, h, start))
-            if progress is not None:
-                progress(sum(sizes))
-        lockstep.finish()
-    finally:
-        if final_norm is not None:
-            final_norm.remove()
+    with fused_without_autograd():  # the fused RMSNorm kernels (models/norms.py)
+        try:
+            for chunk_start, sizes in plan:
+                start = chunk_start + sum(sizes[:rank])
+                shard_ids_BS = prompt_ids_BS[:, start:start + sizes[rank]]
+                lockstep.busy()
+                with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=sizes[rank],
+                          shard_sizes=None if cp_group is None else sizes, exact=exact):
+                    hidden_SBH = run_stages(model, shard_ids_BS, start, lambda part, h: decode(part, h, start))
+                if progress is not None:
+                    progress(sum(sizes))
+            lockstep.finish()
+        finally:
+            if final_norm is not None:
+                final_norm.remove()
     if last_stage:  # the final norm's input at the last prompt token, and the next-token logits
         last_hidden_1BH = final_norm.last_row_1BH(hidden_SBH.shape[0])
         last_logits_BV = output_logits(last_chunk(model), hidden_SBH[-1:])[0]

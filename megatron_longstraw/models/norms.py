@@ -5,10 +5,29 @@ parallelism, both of which Qwen3.5 needs; Transformer Engine's ``TENorm`` suppor
 used by the TE spec instead.
 """
 
+import contextlib
 import copy
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+_FUSED_WITHOUT_AUTOGRAD = False
+
+
+@contextlib.contextmanager
+def fused_without_autograd():
+    """Within the block, RMSNorms that run without autograd take torch's fused ``rms_norm`` (one
+    kernel on a GPU, where the step-by-step math is six): the prompt's capture and decoding enter
+    it. Elsewhere they keep the step-by-step math of the autograd path, so that the old
+    log-probs scored without autograd are bit for bit the ones replay computes (the ratio is
+    exactly 1 before an update); the fused kernel rounds differently."""
+    global _FUSED_WITHOUT_AUTOGRAD
+    previous, _FUSED_WITHOUT_AUTOGRAD = _FUSED_WITHOUT_AUTOGRAD, True
+    try:
+        yield
+    finally:
+        _FUSED_WITHOUT_AUTOGRAD = previous
 
 
 class RMSNorm(torch.nn.Module):
@@ -33,19 +52,18 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize over the last dimension."""
         compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 tests
-        if not torch.is_grad_enabled():
-            return self._forward_no_grad(x, compute)
+        if _FUSED_WITHOUT_AUTOGRAD and not torch.is_grad_enabled():
+            return self._forward_fused(x, compute)
         x32 = x.to(compute)
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         gamma = self.weight.to(compute)
         gamma = gamma + 1.0 if self.zero_centered_gamma else gamma
         return (y * gamma).to(x.dtype)
 
-    def _forward_no_grad(self, x: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
-        """The same math without autograd (capture, decoding, scoring) in fewer kernels: torch's
-        ``rms_norm`` is one fused kernel on a GPU, where the steps above are six (a decode step
-        runs about sixty norms of a few rows each). The activations saved for backward, which
-        the memory plan counts, are those of the autograd path."""
+    def _forward_fused(self, x: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+        """The same math in fewer kernels (``fused_without_autograd``): a decode step runs about
+        sixty norms of a few rows each. The activations saved for backward, which the memory plan
+        counts, are those of the autograd path."""
         gamma = self.weight.to(compute)
         gamma = gamma + 1.0 if self.zero_centered_gamma else gamma
         return torch.nn.functional.rms_norm(x.to(compute), (x.shape[-1],), gamma, self.eps).to(x.dtype)

@@ -38,6 +38,7 @@ from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
 from megatron_longstraw.longstraw.model_steps import output_logits
 from megatron_longstraw.longstraw.pipeline import check_pipeline, pipeline_parallel
 from megatron_longstraw.core.state import PromptState
+from megatron_longstraw.models.norms import fused_without_autograd
 from megatron_longstraw.models.pipeline_stage import last_chunk
 from megatron_longstraw.rollout.sampling import TokenDistribution, check_sampling
 
@@ -70,7 +71,8 @@ class Rollouts:
     sampling_logprobs: list[torch.Tensor]
     stopped_by_eos: list[bool]
     seconds: float
-    decode_steps: int                 # batched forwards through the model
+    decode_steps: int                 # batched forwards through the model (with graphs, one launched
+    # ahead is counted also when every sample then stopped)
     decode_state_bytes: int           # per-sample state allocated at the start (this rank)
     cuda_graphs: bool = False         # decode steps were replayed from CUDA graphs
     step_logits: Optional[list[torch.Tensor]] = field(default=None, repr=False)
@@ -154,7 +156,7 @@ def _to_host(tokens_B: torch.Tensor, scores_B2: torch.Tensor) -> Callable[[], tu
     tokens_host.copy_(tokens_B, non_blocking=True)
     scores_host.copy_(scores_B2, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(tokens_B.device))
 
     def wait():
         copied.synchronize()
@@ -215,59 +217,60 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
     logits_BV = first_1V.expand(num_samples, -1) if samples_here else None
     steps = 0
     lockstep = ExpertLockstep(model)  # EP over data-parallel ranks: their groups stop at different steps
-    try:
-        for step in range(max_new_tokens):
-            tokens_B = scores_B2 = None
-            if samples_here:
-                distribution = TokenDistribution(logits_BV, temperature, top_p)
-                tokens_B = _same_on_model_parallel_ranks(distribution.draw(generator))
-                scores_B2 = torch.stack(distribution.scores(tokens_B), -1)
-            tokens_B, scores_B2 = _samples_on_every_stage(tokens_B, scores_B2, len(rows), device=state_device)
-            on_host = _to_host(tokens_B, scores_B2)
-            ahead_BV = None
-            if graphed is not None and step + 1 < max_new_tokens:
-                # the next step runs on the GPU while the host reads this one's tokens (the batch
-                # stays whole, so it needs nothing the host decides); wasted if every sample stops
-                ahead_BV = graphed.step(tokens_B[:, None])
-                steps += 1
-            tokens_cpu, scores_cpu = on_host()
-            logprobs_B, sampling_B = scores_cpu.unbind(-1)
-            keep = []
-            for row, sample in enumerate(rows):
-                if sample not in decoding:
+    with fused_without_autograd():  # the fused RMSNorm kernels (models/norms.py)
+        try:
+            for step in range(max_new_tokens):
+                tokens_B = scores_B2 = None
+                if samples_here:
+                    distribution = TokenDistribution(logits_BV, temperature, top_p)
+                    tokens_B = _same_on_model_parallel_ranks(distribution.draw(generator))
+                    scores_B2 = torch.stack(distribution.scores(tokens_B), -1)
+                tokens_B, scores_B2 = _samples_on_every_stage(tokens_B, scores_B2, len(rows), device=state_device)
+                on_host = _to_host(tokens_B, scores_B2)
+                ahead_BV = None
+                if graphed is not None and step + 1 < max_new_tokens:
+                    # the next step runs on the GPU while the host reads this one's tokens (the batch
+                    # stays whole, so it needs nothing the host decides); wasted if every sample stops
+                    ahead_BV = graphed.step(tokens_B[:, None])
+                    steps += 1
+                tokens_cpu, scores_cpu = on_host()
+                logprobs_B, sampling_B = scores_cpu.unbind(-1)
+                keep = []
+                for row, sample in enumerate(rows):
+                    if sample not in decoding:
+                        continue
+                    tokens_GT[sample, step] = tokens_cpu[row]
+                    logprobs_GT[sample, step] = logprobs_B[row]
+                    sampling_GT[sample, step] = sampling_B[row]
+                    lengths[sample] = step + 1
+                    if kept_logits is not None:
+                        kept_logits[sample].append(logits_BV[row].cpu())
+                    if eos_id is not None and tokens_cpu[row].item() == eos_id:
+                        stopped_by_eos[sample] = True
+                    elif step + 1 < max_new_tokens:
+                        keep.append(row)
+                if progress is not None:
+                    finished = num_samples - len(keep)
+                    progress(RolloutProgress(step + 1, max_new_tokens, len(keep), finished, sum(lengths),
+                                             time.perf_counter() - start))
+                if not keep:
+                    break
+                decoding = {rows[row] for row in keep}
+                if len(keep) < len(rows) and graphed is None:
+                    index_B = torch.tensor(keep, dtype=torch.long, device=tokens_B.device)
+                    state.select_samples(index_B)
+                    tokens_B = tokens_B.index_select(0, index_B)
+                    rows = [rows[row] for row in keep]
+                if graphed is not None:  # (no expert lockstep: graphs refuse MoE)
+                    logits_BV = full_vocab_logits(model, ahead_BV)
                     continue
-                tokens_GT[sample, step] = tokens_cpu[row]
-                logprobs_GT[sample, step] = logprobs_B[row]
-                sampling_GT[sample, step] = sampling_B[row]
-                lengths[sample] = step + 1
-                if kept_logits is not None:
-                    kept_logits[sample].append(logits_BV[row].cpu())
-                if eos_id is not None and tokens_cpu[row].item() == eos_id:
-                    stopped_by_eos[sample] = True
-                elif step + 1 < max_new_tokens:
-                    keep.append(row)
-            if progress is not None:
-                finished = num_samples - len(keep)
-                progress(RolloutProgress(step + 1, max_new_tokens, len(keep), finished, sum(lengths),
-                                         time.perf_counter() - start))
-            if not keep:
-                break
-            decoding = {rows[row] for row in keep}
-            if len(keep) < len(rows) and graphed is None:
-                index_B = torch.tensor(keep, dtype=torch.long, device=tokens_B.device)
-                state.select_samples(index_B)
-                tokens_B = tokens_B.index_select(0, index_B)
-                rows = [rows[row] for row in keep]
-            if graphed is not None:
-                logits_BV = full_vocab_logits(model, ahead_BV)
-                continue
-            lockstep.busy()
-            logits_BV = decode_step(model, state, tokens_B[:, None])
-            logits_BV = None if logits_BV is None else full_vocab_logits(model, logits_BV)
-            steps += 1
-        lockstep.finish()
-    finally:
-        state.free()
+                lockstep.busy()
+                logits_BV = decode_step(model, state, tokens_B[:, None])
+                logits_BV = None if logits_BV is None else full_vocab_logits(model, logits_BV)
+                steps += 1
+            lockstep.finish()
+        finally:
+            state.free()
     return Rollouts(
         responses=[tokens_GT[i, : lengths[i]].clone() for i in range(num_samples)],
         logprobs=[logprobs_GT[i, : lengths[i]].clone() for i in range(num_samples)],

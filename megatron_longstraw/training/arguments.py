@@ -215,9 +215,9 @@ def _evaluation(p):
     g.add_argument("--eval-interval", type=int, default=0,
                    help="every N steps, greedy and sampled reward on held-out synthetic prompts (eval/*); 0: never")
     g.add_argument("--skip-train", action="store_true",
-                   help="no training: evaluate the checkpoint (--load, or the newest in --save; without one the "
-                        "initial weights) on held-out synthetic prompts at --eval-prompt-lengths, print the "
-                        "eval/* figures and write them to <--wandb-save-dir>/eval_iter_<N>.json")
+                   help="no training: evaluate the checkpoint (--load, or the newest in --save) on held-out "
+                        "synthetic prompts at --eval-prompt-lengths, print the eval/* figures and write them to "
+                        "<--wandb-save-dir>/eval_iter_<N>.json")
     g.add_argument("--eval-prompts", type=int, default=16,
                    help="held-out prompts per length (a multiple of the data-parallel size)")
     g.add_argument("--eval-prompt-lengths", default=None,
@@ -460,6 +460,12 @@ def _resume_or_start_fresh(args) -> None:
 
     if args.no_load and args.load is not None:
         raise ValueError(f"--no-load contradicts --load {args.load}")
+    if args.skip_train:
+        if args.load is None and (args.no_load or args.no_save or not (Path(args.save) / TRACKER_NAME).is_file()):
+            raise ValueError(f"--skip-train: no checkpoint to evaluate (give --load, or a --save that holds one; "
+                             f"--save is {args.save})")
+        args.load = args.save if args.load is None else args.load
+        return
     save = Path(args.save)
     tracker = save / TRACKER_NAME
     if args.load is None and not args.no_load and not args.no_save and tracker.is_file():

@@ -119,9 +119,10 @@ def train(args):
                 logger.log(iteration, metrics)
             if out_of_time:
                 if rank0:
-                    saved = "no checkpoint (--no-save)" if args.no_save else f"saved iteration {iteration}"
+                    saved = ("no checkpoint (--no-save): nothing to resume" if args.no_save
+                             else f"saved iteration {iteration}, the same command resumes")
                     print(f"stopping at iteration {iteration} of {args.train_iters}: --exit-duration-in-mins "
-                          f"{args.exit_duration_in_mins:g} reached; {saved}, the same command resumes", flush=True)
+                          f"{args.exit_duration_in_mins:g} reached; {saved}", flush=True)
                 break
     finally:
         logger.finish()

@@ -22,7 +22,7 @@ def trainer_prompt_length(args, hf: dict) -> tuple[int, str]:
     if args.rollout_source != "jsonl" and args.data_path == "synthetic":
         lengths = [(args.synthetic_prompt_length, "--prompt-length-schedule" if args.curriculum
                     else "--synthetic-prompt-length")]
-        if args.eval_interval:  # the held-out prompts are captured by the same GPUs
+        if args.eval_interval or args.skip_train:  # the held-out prompts are captured by the same GPUs
             lengths.append((max(args.eval_lengths), "--eval-prompt-lengths"))
         return max(lengths, key=lambda pair: pair[0])
     budget = resolve_max_prompt_length(args.max_prompt_length, hf["max_position_embeddings"], args.max_response_length)

@@ -115,7 +115,7 @@ def build_prompt_source(args, hf: dict, tokenizer) -> PromptSource:
             raise ValueError(f"{flag} {args.prompt_length_schedule or args.synthetic_prompt_length}: "
                              f"{args.synthetic_prompt_length} tokens exceed the longest prompt the model takes "
                              f"({max_prompt})")
-        if args.eval_interval and max(args.eval_lengths) > max_prompt:
+        if (args.eval_interval or args.skip_train) and max(args.eval_lengths) > max_prompt:
             raise ValueError(f"--eval-prompt-lengths: {max(args.eval_lengths)} tokens exceed the longest prompt "
                              f"the model takes ({max_prompt})")
         task = KeyValueRetrievalTask(hf["vocab_size"], args.synthetic_prompt_length,
@@ -125,7 +125,8 @@ def build_prompt_source(args, hf: dict, tokenizer) -> PromptSource:
                                      eos_id=tokenizer.eos_id, seed=args.seed)
         stages = [n for n, _ in args.curriculum.stages] if args.curriculum else []
         for flag, lengths in (("--prompt-length-schedule", stages),
-                              ("--eval-prompt-lengths", args.eval_lengths if args.eval_interval else [])):
+                              ("--eval-prompt-lengths", args.eval_lengths if args.eval_interval or args.skip_train
+                               else [])):
             for length in lengths:  # every stage and eval length makes prompts, checked now
                 try:
                     task.variant(prompt_length=length)
