@@ -55,3 +55,32 @@ def test_qwen3_5_0_8b_forward_backward_32k(single_process, record_property):
     record_property("loss", f"{loss.item():.4f}")
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_random_init_capture_is_finite(single_process, dtype, record_property):
+    """The trainer's model (Megatron's random initialization, as without --pretrained-checkpoint)
+    captures a 512-token prompt to finite logits in fp32 (the trainer's default without --bf16)
+    and in bf16; where it is not, the first module whose output is not finite is recorded."""
+    from megatron_longstraw.longstraw.capture import capture_prompt
+
+    hf = resolve_hf_config("qwen3.5-debug")
+    model = build_model(hf, ModelOptions(params_dtype=dtype))
+    bad = []
+
+    def check(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if torch.is_tensor(out) and out.is_floating_point() and not bad and not torch.isfinite(out).all():
+            bad.append(type(module).__name__ + " " + names[module])
+    names = {m: n for n, m in model.named_modules()}
+    handles = [m.register_forward_hook(check) for m in model.modules()]
+    tokens = torch.randint(0, hf["vocab_size"], (1, 512), device=device(),
+                           generator=torch.Generator(device=device()).manual_seed(0))
+    try:
+        with torch.no_grad():
+            state = capture_prompt(model, tokens, 256)
+    finally:
+        for handle in handles:
+            handle.remove()
+    record_property("first_non_finite", bad[0] if bad else "none")
+    assert torch.isfinite(state.last_logits_BV).all() and not bad, bad
