@@ -36,6 +36,10 @@ from megatron_longstraw.longstraw.model_steps import embed, output_logits, witho
 MIN_OWN_ROWS = 64
 """Fewest own-key rows a captured step reads (the first sizes are not worth a capture each)."""
 
+MIN_GRAPHED_STEPS = 4
+"""Fewest decode steps (the state's capacity) worth a capture: the first step at each size runs
+eagerly and the capture costs about one more, so a rollout of one or two steps gains nothing."""
+
 
 def refusal(model) -> Optional[str]:
     """Why ``model`` cannot decode in fixed shapes here, or ``None`` if it can."""
@@ -154,7 +158,10 @@ class GraphedDecoder:
 
 def graphed_decoder(model, state: DecodeState) -> Optional[GraphedDecoder]:
     """A ``GraphedDecoder`` replaying CUDA graphs for ``state``, or ``None`` where the model is not
-    on a GPU or ``refusal`` names what the graphs cannot take (decoding then runs eagerly)."""
-    if next(model.parameters()).device.type != "cuda" or refusal(model) is not None:
+    on a GPU, the rollout is shorter than ``MIN_GRAPHED_STEPS`` steps, or ``refusal`` names what
+    the graphs cannot take (decoding then runs eagerly)."""
+    if next(model.parameters()).device.type != "cuda" or state.capacity < MIN_GRAPHED_STEPS:
+        return None
+    if refusal(model) is not None:
         return None
     return GraphedDecoder(model, state, use_graphs=True)

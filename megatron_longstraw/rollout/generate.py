@@ -189,8 +189,9 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
 
     ``prompt_state`` is a batch-1 state captured by ``model`` (``capture_prompt``); it is read,
     never modified or copied per sample. Tokens are drawn from the tempered, top-p-filtered
-    distribution (``sampling.TokenDistribution``; greedy at ``temperature == 0``). A sample stops after ``eos_id`` (kept as its last token) or
-    at ``max_new_tokens``. ``progress``, if given, is called after every step. ``cuda_graphs``:
+    distribution (``sampling.TokenDistribution``; greedy at ``temperature == 0``). A sample stops
+    after ``eos_id`` (kept as its last token) or at ``max_new_tokens``. ``progress``, if given, is
+    called after every step. ``cuda_graphs``:
     replay the decode step from CUDA graphs where the model, its layout and its device allow
     (``longstraw/decode_graph.py``; the batch then stays whole, finished samples decoding on
     unused). Raises ``ValueError`` for bad sampling settings, a response that would exceed the

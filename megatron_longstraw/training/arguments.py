@@ -169,8 +169,8 @@ def _rollout(p):
                    help="replay each decode step of internal rollouts and evaluation from a CUDA graph where "
                         "the model and layout allow it (a GPU; no tensor/context/pipeline/expert parallelism, MoE "
                         "layers, FP8 or learned position embedding; every stateful layer taking fixed shapes: "
-                        "Qwen3.5's do, GLM-5's do not); elsewhere decoding runs eagerly; --no-decode-cuda-graphs: "
-                        "always eagerly")
+                        "Qwen3.5's do, GLM-5's do not; rollouts of at least 4 steps); elsewhere decoding runs "
+                        "eagerly; --no-decode-cuda-graphs: always eagerly")
     g.add_argument("--rollout-source", default="internal", choices=["internal", "jsonl"],
                    help="internal: sample G responses from the policy; jsonl: prompts and responses from "
                         "--rollout-path")
