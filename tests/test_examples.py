@@ -89,9 +89,9 @@ def test_retrieval_study_runs_both_modes_alike(tmp_path):
         runs[mode] = [a for a in argv if a not in (mode, f"runs/retrieval-{mode}/checkpoints",
                                                    f"retrieval-{mode}", f"runs/retrieval-{mode}")]
     assert runs["exact"] == runs["detached"]
-    args = parse_args(_launch(tmp_path, "retrieval_study.sh", {}, "exact", "--skip-train",
-                              "--eval-prompt-lengths", "131072,524288")[1:])
-    assert args.skip_train and args.eval_lengths == [131072, 524288]
+    args = parse_args(_launch(tmp_path, "retrieval_study.sh", {}, "exact", "--skip-train", "--load",
+                              str(tmp_path / "ckpt"), "--eval-prompt-lengths", "131072,524288")[1:])
+    assert args.skip_train and args.eval_lengths == [131072, 524288] and args.load == str(tmp_path / "ckpt")
     bad = subprocess.run(["bash", str(ROOT / "examples/retrieval_study.sh"), "full"], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PYTHON": "false"})
     assert bad.returncode == 2 and bad.stderr.strip() == "error: the mode must be exact or detached, got 'full'"
