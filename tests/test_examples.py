@@ -89,6 +89,7 @@ def test_retrieval_study_runs_both_modes_alike(tmp_path):
         runs[mode] = [a for a in argv if a not in (mode, f"runs/retrieval-{mode}/checkpoints",
                                                    f"retrieval-{mode}", f"runs/retrieval-{mode}")]
     assert runs["exact"] == runs["detached"]
+    (tmp_path / "ckpt").mkdir()  # (read only when the run starts)
     args = parse_args(_launch(tmp_path, "retrieval_study.sh", {}, "exact", "--skip-train", "--load",
                               str(tmp_path / "ckpt"), "--eval-prompt-lengths", "131072,524288")[1:])
     assert args.skip_train and args.eval_lengths == [131072, 524288] and args.load == str(tmp_path / "ckpt")
