@@ -20,8 +20,9 @@ routing sizes its work on the host), no FP8, no learned position embedding, and 
 layer's ``supports_static_decode``; ``refusal`` says what is missing. Activation recomputation
 is off inside the step (it would save the RNG state, which a capture cannot; under no_grad it
 recomputes nothing). Each capture synchronizes the GPU and empties the allocator's cache
-(``torch.cuda.graph``), a handful of times per call of ``generate_from_state``. Without ``use_graphs`` the same
-fixed-shape step runs eagerly (what the CPU tests compare against the ordinary decode step).
+(``torch.cuda.graph``), a handful of times per call of ``generate_from_state``; rollouts of fewer
+than ``MIN_GRAPHED_STEPS`` steps decode eagerly. Without ``use_graphs`` the same fixed-shape step
+runs eagerly (what the CPU tests compare against the ordinary decode step).
 """
 
 from typing import Optional
