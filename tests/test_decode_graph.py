@@ -49,7 +49,7 @@ def test_fixed_shape_steps_equal_the_decode_step(single_process, monkeypatch):
         fresh = new_decode_state(model, prompt, SAMPLES, capacity=11)
         own = [t for layer in fresh.layers.values() for name, t in layer.tensors().items() if name.endswith("_SBGD")]
         assert own and all(not t.any() for t in own)
-        with pytest.raises(ValueError, match="decode state of capacity 11 cannot take 1 more token after 11"):
+        with pytest.raises(ValueError, match="decode state of capacity 11 cannot take 1 more tokens after 11"):
             fixed.step(tokens[:, :1])
     assert rows == [2, 2, 4, 4, 8, 8, 8, 8, 11, 11, 11]
 

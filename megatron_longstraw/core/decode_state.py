@@ -44,6 +44,12 @@ class DecodeState:
         """Bytes of the per-sample part only (the shared prompt state is not counted)."""
         return sum(layer.nbytes() for layer in self.layers.values())
 
+    def check_room(self, tokens: int) -> None:
+        """``ValueError`` unless ``tokens`` more tokens per sample fit in the capacity."""
+        if self.length + tokens > self.capacity:
+            raise ValueError(f"decode state of capacity {self.capacity} cannot take {tokens} more tokens "
+                             f"after {self.length}")
+
     def advance(self, tokens: int) -> None:
         """Record that ``tokens`` more tokens per sample went through the model."""
         assert self.length + tokens <= self.capacity, "decode state overflow"

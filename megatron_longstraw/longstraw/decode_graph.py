@@ -136,9 +136,7 @@ class GraphedDecoder:
         """Feed one token per sample (``[samples, 1]``); the logits ``[samples, vocab]`` after it."""
         state = self.state
         assert ids_B1.shape == self.ids_B1.shape, (ids_B1.shape, self.ids_B1.shape)
-        if state.length + 1 > state.capacity:
-            raise ValueError(f"decode state of capacity {state.capacity} cannot take 1 more token "
-                             f"after {state.length}")
+        state.check_room(1)
         self.ids_B1.copy_(ids_B1)
         self._set_rotary()
         needed = state.length + 1

@@ -25,9 +25,7 @@ def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> Optional[tor
     """
     batch, seq = ids_BS.shape
     assert batch == state.num_samples, (batch, state.num_samples)
-    if state.length + seq > state.capacity:
-        raise ValueError(f"decode state of capacity {state.capacity} cannot take {seq} more tokens "
-                         f"after {state.length}")
+    state.check_room(seq)
     offset = state.position
     check_pipeline(model)
     with bind(model, Mode.DECODE, state, position_offset=offset, valid_length=seq):

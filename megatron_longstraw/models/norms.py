@@ -56,17 +56,18 @@ class RMSNorm(torch.nn.Module):
             return self._forward_fused(x, compute)
         x32 = x.to(compute)
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self._gamma(compute)).to(x.dtype)
+
+    def _gamma(self, compute: torch.dtype) -> torch.Tensor:
+        """The weight in ``compute``, plus one when zero-centred."""
         gamma = self.weight.to(compute)
-        gamma = gamma + 1.0 if self.zero_centered_gamma else gamma
-        return (y * gamma).to(x.dtype)
+        return gamma + 1.0 if self.zero_centered_gamma else gamma
 
     def _forward_fused(self, x: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
         """The same math in fewer kernels (``fused_without_autograd``): a decode step runs about
         sixty norms of a few rows each. The activations saved for backward, which the memory plan
         counts, are those of the autograd path."""
-        gamma = self.weight.to(compute)
-        gamma = gamma + 1.0 if self.zero_centered_gamma else gamma
-        return torch.nn.functional.rms_norm(x.to(compute), (x.shape[-1],), gamma, self.eps).to(x.dtype)
+        return torch.nn.functional.rms_norm(x.to(compute), (x.shape[-1],), self._gamma(compute), self.eps).to(x.dtype)
 
 
 class PlainTENorm:

@@ -201,11 +201,11 @@ def generate_from_state(model, prompt_state: PromptState, num_samples: int, max_
     _check(model, prompt_state, num_samples, max_new_tokens, temperature, top_p)
     start = time.perf_counter()
     samples_here = not pipeline_parallel() or parallel_state.is_pipeline_last_stage()  # has the logits
+    state_device = next(model.parameters()).device
     first_1V = full_vocab_logits(model, _first_logits(model, prompt_state)) if samples_here else None
-    _check_finite(first_1V, device=next(model.parameters()).device)
+    _check_finite(first_1V, device=state_device)
     state = new_decode_state(model, prompt_state, num_samples, capacity=max_new_tokens - 1)
     state_bytes = state.nbytes()
-    state_device = next(model.parameters()).device
     graphed = decode_graph.graphed_decoder(model, state) if cuda_graphs else None
     tokens_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.long)
     logprobs_GT = torch.zeros(num_samples, max_new_tokens, dtype=torch.float32)

@@ -98,7 +98,6 @@ class TokenDistribution:
 
     def __init__(self, logits_BV: torch.Tensor, temperature: float, top_p: float):
         check_sampling(temperature, top_p)
-        self.temperature = temperature
         self.logits_BV = logits_BV.float()
         self.model_lse_B1 = torch.logsumexp(self.logits_BV, dim=-1, keepdim=True)
         self.sampling_logq_BV = None  # log q over the vocabulary (None when greedy)
