@@ -160,3 +160,26 @@ def test_cp2_page_gradients_match_cp1():
             if split[rank]:
                 for name, a, b in zip(("dpk", "dpv"), got[4:], want[4:]):
                     assert _relative(a, b[rows]) < 1e-10, (split, rank, name)
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_fp32_queries_take_the_emulated_kernel(monkeypatch, backend):
+    """Queries the fused kernels cannot take (fp32, fp64 here: cuDNN's and flash's SDPA are 16-bit) run
+    the emulated kernel whatever ``--attention-backend`` says, as ``partials.kernel_settings``
+    decides for every other caller: the kernels called are recorded, and the output is the math
+    path's."""
+    import megatron_longstraw.attention.prefix_attention_cuda as cuda
+
+    called = []
+    forward = cuda.kernel_forward
+
+    def recording(kernel, *args):
+        called.append(kernel)
+        return forward(kernel, *args)
+
+    monkeypatch.setattr(cuda, "kernel_forward", recording)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, pk, pv, _ = _attention_inputs(gen, 5, 2, 4, 2, 8, 12, (False, False))
+    got = prefix_causal_attention_cuda(q, k, v, pk, pv, options=KernelOptions(attention_backend=backend, prefix_block=8))
+    assert called and set(called) == {"emulated"}, called
+    torch.testing.assert_close(got, prefix_causal_attention_math(q, k, v, pk, pv), rtol=1e-5, atol=1e-6)

@@ -3,25 +3,12 @@ CPU interpreter, against the torch path of ``attention/dsa_blockwise.py`` in fp6
 sparse attention over two page tensors (the capture's prompt pages + the chunk's own latents)
 and the CP partial (output and log-sum-exp over one rank's pages, queries with no pick there)."""
 
-import os
-import subprocess
-import sys
+from megatron_longstraw.testing.triton_interpreter import run_interpreted
 
 _INTERPRETED_KERNEL = """
+from megatron_longstraw.testing.triton_interpreter import patch_loop_bounds
+patch_loop_bounds()
 import torch
-import triton.runtime.interpreter as interpreter
-
-# Triton 3.6's interpreter turns a scalar argument used as a loop bound into a Python int with
-# int() of a one-element array, which numpy >= 2.5 refuses; convert it with .item() instead.
-_patch_tensor = interpreter._patch_lang_tensor
-
-
-def _patch_lang_tensor(tensor, scope):
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-
-interpreter._patch_lang_tensor = _patch_lang_tensor
 from megatron_longstraw.attention.dsa_blockwise import sparse_latent_attention, sparse_latent_partial
 from megatron_longstraw.attention.sparse_mla_triton import sparse_latent_forward
 
@@ -79,8 +66,5 @@ def test_sparse_mla_kernel_in_triton_interpreter():
     block of picks, empty (-1) slots, pages shared by the batch or per row, an empty prefix,
     and partial attention with queries that have no pick on these pages (the empty partial:
     out 0, lse -inf, on both paths)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    result = subprocess.run([sys.executable, "-c", _INTERPRETED_KERNEL], env=env, cwd=root, capture_output=True,
-                            text=True, timeout=300)
+    result = run_interpreted(_INTERPRETED_KERNEL)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -361,7 +361,7 @@ ONE_QUICK_STEP = ("--train-iters", "1", "--wandb-mode", "disabled", "--global-ba
 def warm_start(tmp_path_factory):
     """A converted qwen3.5-debug of another rope_theta, one step trained from it with
     --pretrained-checkpoint alone, and that run's checkpoint:
-    ``(converted folder, run folder, the trained model's RoPE inverse frequencies)``."""
+    ``(converted folder, run folder, the trained model's RoPE inverse frequencies, its parameters)``."""
     tmp = tmp_path_factory.mktemp("warm_start")
     rope = dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=0.25)
     converted = _converted_checkpoint(tmp, "qwen3.5-debug", rope_parameters=rope)
@@ -370,15 +370,16 @@ def warm_start(tmp_path_factory):
     try:
         _, model = loop.train(args)
         inv_freq = model.rotary_pos_emb.inv_freq.detach().clone()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         destroy_distributed()
-    return converted, tmp / "run", inv_freq
+    return converted, tmp / "run", inv_freq, params
 
 
 def test_pretrained_checkpoint_gives_the_model_config(warm_start):
     from megatron_longstraw.models.hf_config import rope_parameters
 
-    _, run, inv_freq = warm_start
+    _, run, inv_freq, _ = warm_start
     rotary_dim = 16 // 4  # head_dim x partial_rotary_factor
     expected = 1.0 / ROPE_THETA ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     torch.testing.assert_close(inv_freq.double(), expected)
@@ -386,8 +387,20 @@ def test_pretrained_checkpoint_gives_the_model_config(warm_start):
     assert rope_parameters(saved)["rope_theta"] == ROPE_THETA
 
 
+def test_pretrained_checkpoint_takes_a_trainer_save(warm_start, tmp_path):
+    """A run's own checkpoint (a warm start's, say) as --pretrained-checkpoint: its weights only,
+    exactly (here kept by a zero learning rate), a fresh run from step 1 (no optimizer state,
+    no iteration count taken over)."""
+    _, run, _, trained = warm_start
+    metrics, params = _train(_args(tmp_path / "next", *ONE_QUICK_STEP, "--no-save", "--lr", "0",
+                                   "--pretrained-checkpoint", str(run / "ckpt")))
+    assert params.keys() == trained.keys()
+    assert all(torch.equal(params[name], trained[name]) for name in trained)
+    assert [row["step"] for row in _rows(tmp_path / "next" / "wandb")] == [1]
+
+
 def test_model_flag_takes_a_converted_checkpoint(warm_start, tmp_path):
-    converted, _, _ = warm_start
+    converted, _, _, _ = warm_start
     _, params = _train(_args(tmp_path / "config", *ONE_QUICK_STEP, "--no-save", "--model", str(converted)))
     assert params["decoder.layers.0.mlp.linear_fc1.weight"].shape == (256, 64)
     args = train_grpo.parse_args(_args(tmp_path / "both", "--model", str(converted),
@@ -397,7 +410,7 @@ def test_model_flag_takes_a_converted_checkpoint(warm_start, tmp_path):
 
 @pytest.mark.parametrize("flag", ["--model", "--hf-config"])
 def test_another_model_than_the_pretrained_checkpoint_is_refused(warm_start, tmp_path, flag):
-    converted, _, _ = warm_start
+    converted, _, _, _ = warm_start
     other = {**json.loads((converted / "hf_config.json").read_text()), "intermediate_size": 96}
     (tmp_path / "other.json").write_text(json.dumps(other))
     given = "qwen3.5-debug" if flag == "--model" else str(tmp_path / "other.json")
@@ -410,7 +423,7 @@ def test_another_model_than_the_pretrained_checkpoint_is_refused(warm_start, tmp
 
 
 def test_loading_a_checkpoint_of_another_model_names_the_tensor(warm_start, tmp_path):
-    _, run, _ = warm_start
+    _, run, _, _ = warm_start
     other = {**json.loads((run / "ckpt" / "iter_0000001" / "hf_config.json").read_text()), "intermediate_size": 96}
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError) as err:
@@ -423,7 +436,7 @@ def test_loading_a_checkpoint_of_another_model_names_the_tensor(warm_start, tmp_
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_damaged_pretrained_checkpoint_names_the_file(warm_start, tmp_path, damage):
-    converted, _, _ = warm_start
+    converted, _, _, _ = warm_start
     broken = tmp_path / "broken"
     shutil.copytree(converted, broken)  # (with the HF assets it keeps in a subfolder)
     data = broken / "__0_0.distcp"

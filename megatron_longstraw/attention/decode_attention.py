@@ -12,7 +12,9 @@ blocks and heads, so one call over the pages would keep only a few multiprocesso
 them; the pages are instead viewed as splits of at least ``decode_split_keys`` keys, one per
 batch entry of a single call, and the splits' partials merged by log-sum-exp (as
 flash-decoding does). The own-key part is small (``t`` is at most the response length)
-and runs in plain fp32 torch.
+and runs in plain fp32 torch; on a GPU, for one query per sample without CP, it runs with the
+merge of the splits' partials and the cast in one Triton kernel (``decode_merge_triton``), where
+torch takes about forty small kernels a layer.
 
 Context parallelism (``core/collectives.py``): every CP rank decodes the same samples
 (replicated tokens and own keys) and holds its shard of the prompt pages. With ``cp_group`` the
@@ -26,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from megatron_longstraw.attention.decode_merge_triton import decode_merge
 from megatron_longstraw.attention.kernel_options import MAX_DECODE_SPLITS, KernelOptions
 from megatron_longstraw.attention.partials import (
     default_scale, empty_partial, expand_groups, kernel_settings, merge_partials, merge_partials_over_group,
@@ -57,43 +60,58 @@ def split_length(pages: int, options: KernelOptions) -> int:
     return max(options.decode_split_keys, -(-pages // MAX_DECODE_SPLITS))
 
 
-def _pages_partial(backend, q_1GND, pk_1GPD, pv_1GPD, scale, length):
-    """``(out [1, groups, n, d_v], lse [1, groups, n])`` of the folded queries over the pages, split
-    into pieces of ``length`` keys: the whole pieces as the batch of one kernel call (the pages
-    viewed, not copied; the queries repeated per piece), the rest in one more call, all merged."""
-    groups, pages = pk_1GPD.shape[1], pk_1GPD.shape[2]
+def _pages_stacks(backend, q_1GND, pk_1GPD, pv_1GPD, scale, length):
+    """The folded queries' partials over the pages split into pieces of ``length`` keys, unmerged:
+    ``[(out [n, groups, q, d_v], lse [n, groups, q])]``, the whole pieces as the batch of one
+    kernel call (the pages viewed, not copied; the queries repeated per piece), then the rest,
+    if any, in one more call (``n = 1``)."""
+    pages = pk_1GPD.shape[2]
     whole = pages // length * length
-    parts = []
+    stacks = []
     if whole:
         pieces = whole // length
         k_NGLD = pk_1GPD[0, :, :whole].unflatten(1, (pieces, length)).transpose(0, 1)
         v_NGLD = pv_1GPD[0, :, :whole].unflatten(1, (pieces, length)).transpose(0, 1)
         q_NGQD = q_1GND.expand(pieces, -1, -1, -1).contiguous()
         out_NGQD, lse_NGQ, _ = kernel_forward(backend, q_NGQD, k_NGLD, v_NGLD, False, scale)
-        parts.append(merge_stacked_partials(out_NGQD, lse_NGQ))
+        stacks.append((out_NGQD, lse_NGQ))
     if whole < pages:
         out_1GQD, lse_1GQ, _ = kernel_forward(backend, q_1GND, pk_1GPD[:, :, whole:], pv_1GPD[:, :, whole:],
                                               False, scale)
-        compute = torch.promote_types(out_1GQD.dtype, torch.float32)
-        parts.append((out_1GQD[0].to(compute), lse_1GQ[0].to(compute)))
+        stacks.append((out_1GQD, lse_1GQ))
+    return stacks
+
+
+def _pages_partial(stacks):
+    """``(out [1, groups, q, d_v], lse [1, groups, q])``, fp32 at least: ``_pages_stacks`` merged."""
+    parts = [merge_stacked_partials(out_NGQD, lse_NGQ) for out_NGQD, lse_NGQ in stacks]
     out_GQD, lse_GQ = parts[0] if len(parts) == 1 else merge_partials(*parts[0], *parts[1])
-    assert groups == out_GQD.shape[0], (groups, out_GQD.shape)
     return out_GQD[None], lse_GQ[None]
 
 
 def _prompt_part(q_SBHD, prompt_k_SBGD, prompt_v_SBGD, scale, options, acc_BHSD, lse_BHS):
     """The partial ``(acc, lse)`` merged with the queries' attention over the prompt pages: the
     queries that share a KV group folded over the samples and heads (``fold_groups``), the pages
-    split (``split_length``, ``_pages_partial``) so that the call keeps the GPU busy."""
-    backend, _ = kernel_settings(q_SBHD, options)
+    split (``split_length``, ``_pages_stacks``) so that the call keeps the GPU busy."""
     q_BHSD = q_SBHD.permute(1, 2, 0, 3)
-    pk_1GPD, pv_1GPD = prompt_k_SBGD.permute(1, 2, 0, 3), prompt_v_SBGD.permute(1, 2, 0, 3)
-    q_1GND = fold_groups(q_BHSD.contiguous(), pk_1GPD.shape[1])
-    pages_1GND, pages_lse_1GN = _pages_partial(backend, q_1GND, pk_1GPD, pv_1GPD, scale,
-                                               split_length(pk_1GPD.shape[2], options))
-    pages_BHSD = unfold_groups(pages_1GND, q_BHSD.shape[:3] + (pv_1GPD.shape[-1],))
+    pages_1GND, pages_lse_1GN = _pages_partial(_prompt_stacks(q_SBHD, prompt_k_SBGD, prompt_v_SBGD, scale, options))
+    pages_BHSD = unfold_groups(pages_1GND, q_BHSD.shape[:3] + (prompt_v_SBGD.shape[-1],))
     pages_lse_BHS = unfold_groups(pages_lse_1GN.unsqueeze(-1), q_BHSD.shape[:3] + (1,)).squeeze(-1)
     return merge_partials(acc_BHSD, lse_BHS, pages_BHSD, pages_lse_BHS)
+
+
+def _prompt_stacks(q_SBHD, prompt_k_SBGD, prompt_v_SBGD, scale, options):
+    """``_pages_stacks`` of the queries folded per KV group over the prompt pages."""
+    backend, _ = kernel_settings(q_SBHD, options)
+    pk_1GPD, pv_1GPD = prompt_k_SBGD.permute(1, 2, 0, 3), prompt_v_SBGD.permute(1, 2, 0, 3)
+    q_1GND = fold_groups(q_SBHD.permute(1, 2, 0, 3).contiguous(), pk_1GPD.shape[1])
+    return _pages_stacks(backend, q_1GND, pk_1GPD, pv_1GPD, scale, split_length(pk_1GPD.shape[2], options))
+
+
+def _fused_merge(q_SBHD, k_SBGD, v_SBGD, cp_group) -> bool:
+    """Whether the step takes ``decode_merge_triton``: one query per sample on a GPU, no CP."""
+    return (q_SBHD.is_cuda and q_SBHD.shape[0] == 1 and cp_group is None
+            and all(t.stride(-1) == 1 for t in (q_SBHD, k_SBGD, v_SBGD)))
 
 
 @torch.no_grad()
@@ -116,11 +134,14 @@ def decode_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: torch.T
     seq, batch, heads, dim = q_SBHD.shape
     assert k_SBGD.shape[0] >= seq and k_SBGD.shape[1] == batch, (k_SBGD.shape, q_SBHD.shape)
     scale = default_scale(scale, dim)
-    acc_BHSD, lse_BHS = _own_keys_part(q_SBHD.permute(1, 2, 0, 3), k_SBGD.permute(1, 2, 0, 3),
-                                       v_SBGD.permute(1, 2, 0, 3), scale, own_valid)
     has_pages = prompt_k_SBGD is not None and prompt_k_SBGD.shape[0] > 0
     if has_pages:
         assert prompt_k_SBGD.shape[1] == 1, "the shared prompt state must have batch 1"
+    if _fused_merge(q_SBHD, k_SBGD, v_SBGD, cp_group):
+        stacks = _prompt_stacks(q_SBHD, prompt_k_SBGD, prompt_v_SBGD, scale, options) if has_pages else []
+        return decode_merge(q_SBHD[0], k_SBGD, v_SBGD, scale, own_valid, stacks)[None]
+    acc_BHSD, lse_BHS = _own_keys_part(q_SBHD.permute(1, 2, 0, 3), k_SBGD.permute(1, 2, 0, 3),
+                                       v_SBGD.permute(1, 2, 0, 3), scale, own_valid)
     if cp_group is not None:
         # this rank's pages from the empty partial, merged over the CP group, then the own keys
         prompt = empty_partial(acc_BHSD.shape, acc_BHSD.dtype, acc_BHSD.device)

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.partials import (
-    default_scale, empty_partial, expand_groups, merge_partials, merge_partials_over_group, softmax_partial)
+    default_scale, empty_partial, expand_groups, kernel_settings, merge_partials, merge_partials_over_group,
+    softmax_partial)
 
 
 def _emulated_scores(q, k, causal, scale):
@@ -214,7 +215,8 @@ def prefix_causal_attention_cuda(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, pre
                                  scale: Optional[float] = None,
                                  options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """See ``prefix_attention.prefix_causal_attention``; returns ``[s, b, h, d_v]``. The kernels
-    are ``options.attention_backend``'s, the prefix runs in blocks of ``options.prefix_block``; a
+    are ``options.attention_backend``'s for 16-bit queries on a GPU, else the emulated ones
+    (``partials.kernel_settings``), the prefix runs in blocks of ``options.prefix_block``; a
     prefix that requires grad gets its gradient through the ``[1, groups, p, d]`` views."""
     seq, batch, heads, dim = q_SBHD.shape
     scale = default_scale(scale, dim)
@@ -227,6 +229,7 @@ def prefix_causal_attention_cuda(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, pre
             raise ValueError("prefix attention (GPU): the prompt state must have batch 1")
         pk = prefix_k_SBGD.permute(1, 2, 0, 3)
         pv = prefix_v_SBGD.permute(1, 2, 0, 3)
+    backend, block = kernel_settings(q_SBHD, options)  # fp32 queries: the emulated kernel (no fused fp32)
     out_BHSD = prefix_attention_parts(q_BHSD.contiguous(), k_BHSD.contiguous(), v_BHSD.contiguous(), pk, pv, scale,
-                                      options.attention_backend, options.prefix_block)
+                                      backend, block)
     return out_BHSD.permute(2, 0, 1, 3)

@@ -85,7 +85,8 @@ def save_model_checkpoint(model, folder: str | Path) -> None:
 
 
 def load_model_checkpoint(model, path: str | Path, strict: bool = True, flag: str = "--load") -> Path:
-    """Load a checkpoint (any saved layout) into this rank's ``model``; returns its folder.
+    """Load the model of a checkpoint (any saved layout; a converted model or a trainer's save,
+    whose optimizer state is left) into this rank's ``model``; returns its folder.
     ``ValueError`` naming ``flag`` for a missing or truncated file, a checkpoint of another model
     (the first tensor it lacks or holds in another shape) or data that does not load."""
     folder = resolve_checkpoint_dir(path, flag=flag)
@@ -93,9 +94,12 @@ def load_model_checkpoint(model, path: str | Path, strict: bool = True, flag: st
     mismatch = dist_io.shape_mismatch(model.sharded_state_dict(), metadata)
     if mismatch:
         raise ValueError(f"{flag} {folder}: a checkpoint of another model: {mismatch}")
+    wanted = model.sharded_state_dict()
     try:
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(folder))
+        state = dist_checkpointing.load(wanted, str(folder))
     except (Exception, CheckpointException) as err:  # many kinds for damaged files; torch's is a BaseException
         raise ValueError(f"{flag} {folder}: checkpoint is corrupt or incomplete ({dist_io.one_line(err)})") from err
-    model.load_state_dict(state, strict=strict)
+    # a trainer's save also holds its optimizer and counters, which come back with the common
+    # state: the model takes its own entries only
+    model.load_state_dict({key: value for key, value in state.items() if key in wanted}, strict=strict)
     return folder

@@ -11,15 +11,17 @@ import copy
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_longstraw.ops import rms_norm_triton
+
 
 _FUSED_WITHOUT_AUTOGRAD = False
 
 
 @contextlib.contextmanager
 def fused_without_autograd():
-    """Within the block, RMSNorms that run without autograd take torch's fused ``rms_norm`` (one
-    kernel on a GPU, where the step-by-step math is six): the prompt's capture and decoding enter
-    it. Elsewhere they keep the step-by-step math of the autograd path, so that the old
+    """Within the block, RMSNorms that run without autograd take one fused kernel (on a GPU
+    ``ops/rms_norm_triton.py``, where the step-by-step math is ten; elsewhere, and inside a
+    compiled function, torch's ``rms_norm``): the prompt's capture and decoding enter it. Elsewhere they keep the step-by-step math of the autograd path, so that the old
     log-probs scored without autograd are bit for bit the ones replay computes (the ratio is
     exactly 1 before an update); the fused kernel rounds differently."""
     global _FUSED_WITHOUT_AUTOGRAD
@@ -67,6 +69,8 @@ class RMSNorm(torch.nn.Module):
         """The same math in fewer kernels (``fused_without_autograd``): a decode step runs about
         sixty norms of a few rows each. The activations saved for backward, which the memory plan
         counts, are those of the autograd path."""
+        if rms_norm_triton.supported(x) and compute == torch.float32 and not torch.compiler.is_compiling():
+            return rms_norm_triton.rms_norm(x, self.weight, self.eps, self.zero_centered_gamma)
         return torch.nn.functional.rms_norm(x.to(compute), (x.shape[-1],), self._gamma(compute), self.eps).to(x.dtype)
 
 

@@ -109,9 +109,10 @@ def _checkpointing(p):
                         "resumes from it (default: unset, run to --train-iters)")
     g.add_argument("--no-save", action="store_true", help="write no checkpoint (nor resume from --save)")
     g.add_argument("--pretrained-checkpoint", default=None,
-                   help="initial weights and the model: a Megatron checkpoint from tools/convert_checkpoint.py, "
-                        "whose hf_config.json gives the model (a --model / --hf-config must describe the same "
-                        "architecture) (default: random initialization)")
+                   help="initial weights and the model: a Megatron checkpoint from tools/convert_checkpoint.py "
+                        "or a run's save (e.g. a --loss-type sft warm start: its weights only, the run starts at "
+                        "step 1), whose hf_config.json gives the model (a --model / --hf-config must describe the "
+                        "same architecture) (default: random initialization)")
 
 
 def _logging(p):

@@ -60,8 +60,8 @@ def test_qwen3_5_0_8b_forward_backward_32k(single_process, record_property):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_random_init_capture_is_finite(single_process, dtype, record_property):
     """The trainer's model (Megatron's random initialization, as without --pretrained-checkpoint)
-    captures a 512-token prompt to finite logits in fp32 (the trainer's default without --bf16)
-    and in bf16; where it is not, the first module whose output is not finite is recorded."""
+    captures a 2048-token prompt in 1024-token chunks to finite logits in fp32 (the trainer's
+    default without --bf16) and in bf16; where it is not, the first module whose output is not finite is recorded."""
     from megatron_longstraw.longstraw.capture import capture_prompt
 
     hf = resolve_hf_config("qwen3.5-debug")
@@ -74,13 +74,33 @@ def test_random_init_capture_is_finite(single_process, dtype, record_property):
             bad.append(type(module).__name__ + " " + names[module])
     names = {m: n for n, m in model.named_modules()}
     handles = [m.register_forward_hook(check) for m in model.modules()]
-    tokens = torch.randint(0, hf["vocab_size"], (1, 512), device=device(),
+    tokens = torch.randint(0, hf["vocab_size"], (1, 2048), device=device(),
                            generator=torch.Generator(device=device()).manual_seed(0))
     try:
         with torch.no_grad():
-            state = capture_prompt(model, tokens, 256)
+            state = capture_prompt(model, tokens, 1024)
     finally:
         for handle in handles:
             handle.remove()
     record_property("first_non_finite", bad[0] if bad else "none")
     assert torch.isfinite(state.last_logits_BV).all() and not bad, bad
+
+
+def test_rms_norm_kernel_matches_step_by_step(record_property):
+    """The Triton RMSNorm of the no-grad paths against ``RMSNorm``'s step-by-step math in bf16
+    (decode-sized and capture-sized rows, zero-centred and plain weights): within one bf16
+    rounding step of the same fp32 value."""
+    from megatron_longstraw.ops.rms_norm_triton import rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    worst = 0.0
+    for rows, width, plus_one in ((8, 1024, True), (64, 256, True), (32768, 1024, False), (3, 5120, True)):
+        x = (torch.randn(rows, width, device="cuda", generator=gen) * 4).bfloat16()
+        w = (torch.randn(width, device="cuda", generator=gen) * 0.2).bfloat16()
+        x32 = x.float()
+        want = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)) * (w.float() + 1.0 if plus_one else w.float())
+        got = rms_norm(x, w, 1e-6, plus_one)
+        steps = (got.float() - want).abs() / (torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1e-30))
+        worst = max(worst, steps.max().item())
+    record_property("max_rounding_steps", f"{worst:.2f}")
+    assert worst <= 1.0, worst
