@@ -151,6 +151,7 @@ case "${1:-}" in
     tail -n 5 "$out/gpu-tests.log"; python3 tools/gpu_summary.py "$out/gpu-tests.xml" || true
     exit $status ;;
   install-b) install .whl-b; echo "installed .whl-b into $site" ;;
+  install-c) install .whl-c; echo "installed .whl-c into $site" ;;  # optional: the cuDNN frontend (--fp8-attention)
   te-piece) mkdir -p /tmp/te; for d in .te-[1-5]; do if [ -d "$d" ]; then cp "$d"/* /tmp/te/; fi; done; ls /tmp/te ;;
   te-build) bash .te-6/build-te.sh && touch /tmp/te-site/.ready ;;
   te-wait)  # until te-build has finished (for queued items), at most $2 seconds
@@ -238,6 +239,6 @@ case "${1:-}" in
     python3 tools/plot_metrics.py "$out/train/metrics.jsonl" --keys reward/mean,entropy/mean \
       --output "$out/train/learning_curve.png" --title "train_grpo.py $*" || true
     exit "$status" ;;
-  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | te-piece | te-build | te-wait S | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | bench-pp N [args] | py SCRIPT [args] | train [args] | train-sweep COMMON NAME ARGS ... | train-reshard COMMON FIRST RESUMED | batch NAME COMMAND ... | queue-start NAME COMMAND ... | queue-wait [S]" >&2
+  *) echo "usage: bash scripts/gpu_host.sh install-a | install-b | install-c | te-piece | te-build | te-wait S | run [pytest args] | keep-cache DIR | bench [args] | bench-with-tests [args] | bench-cp N [args] | bench-pp N [args] | py SCRIPT [args] | train [args] | train-sweep COMMON NAME ARGS ... | train-reshard COMMON FIRST RESUMED | batch NAME COMMAND ... | queue-start NAME COMMAND ... | queue-wait [S]" >&2
      exit 2 ;;
 esac

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 ATTENTION_BACKENDS = ("cudnn", "flash", "emulated")
 DSA_TOPK_MODES = ("packed", "float")
+FP8_ATTENTION_MODES = ("off", "capture")
 MAX_DECODE_SPLITS = 256
 """At most this many splits of the pages per decode attention call (``decode_split_keys``)."""
 
@@ -57,6 +58,12 @@ class KernelOptions:
     the k-th score could have been cut arbitrarily (that block then goes the packed way). Both
     select the same keys."""
 
+    fp8_attention: str = "off"
+    """``capture``: the no-grad prompt capture's full attention in FP8 (E4M3) on Hopper, cuDNN's
+    ``sdpa_fp8`` (``attention/fp8_capture_attention.py``); replay, decoding and the prompt
+    backward stay in the model's dtype. Unlike the other options it changes the result beyond
+    bf16 rounding (the prompt state is computed from FP8 attention)."""
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the flag of an option that cannot work."""
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -66,6 +73,8 @@ class KernelOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.fp8_attention not in FP8_ATTENTION_MODES:
+            raise ValueError(f"--fp8-attention must be one of {FP8_ATTENTION_MODES}, got {self.fp8_attention!r}")
         if self.dsa_topk not in DSA_TOPK_MODES:
             raise ValueError(f"--dsa-topk must be one of {DSA_TOPK_MODES}, got {self.dsa_topk!r}")
 

@@ -7,6 +7,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from megatron_longstraw.attention.fp8_capture_attention import enable_fp8_capture_attention
 from megatron_longstraw.attention.kernel_options import set_kernel_options
 from megatron_longstraw.models.options import ModelOptions, backend_provider
 from megatron_longstraw.models.pipeline_stage import StageChunks, chunk_layer_ids
@@ -53,6 +54,8 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
     )
     model.hf_config = hf
     set_kernel_options(model, options.kernel_options)
+    if options.kernel_options.fp8_attention == "capture":
+        enable_fp8_capture_attention(model)
     if to_device and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -66,6 +66,31 @@ def fp8_prefix_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: tor
     return out_BHSD.permute(2, 0, 1, 3).to(q_SBHD.dtype)
 
 
+def emulated_sdpa_fp8(q8, k8, v8, descale_q, descale_k, descale_v, scale_s, scale_o, attn_scale: float,
+                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's ``sdpa_fp8`` forward emulated in torch, with the interface of
+    ``attention/fp8_capture_attention.py``'s ``cudnn_sdpa_fp8`` (the orchestration's kernel on a
+    CPU): the inputs dequantized by their descales, exact fp32 (fp64) products, the unnormalized
+    probabilities cast at ``scale_s`` into the inputs' dtype and the row sums taken before the
+    cast, the output cast at ``scale_o``; returns ``(O [b, h, s, d_v] in the inputs' dtype,
+    lse [b, h, s])``. With an fp64 "FP8 dtype" every cast is exact: plain attention."""
+    compute = torch.float64 if q8.dtype == torch.float64 else torch.float32
+    heads = q8.shape[1]
+    q = q8.to(compute) * descale_q.to(compute)
+    k = expand_groups(k8.to(compute) * descale_k.to(compute), heads)
+    v = expand_groups(v8.to(compute) * descale_v.to(compute), heads)
+    scores = (q @ k.transpose(-1, -2)) * attn_scale
+    if causal:
+        visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    probs = (scores - top).exp()
+    rowsum = probs.sum(-1, keepdim=True)
+    probs8 = (probs * scale_s.to(compute)).to(q8.dtype).to(compute) / scale_s.to(compute)
+    out = (probs8 @ v) / rowsum
+    return (out * scale_o.to(compute)).to(q8.dtype), (top + rowsum.log())[..., 0]
+
+
 @contextmanager
 def emulated_fp8_capture_attention(model: torch.nn.Module):
     """Inside, every ``SDPACoreAttention`` of ``model`` computes its capture with

@@ -14,7 +14,8 @@ import math
 import os
 from pathlib import Path
 
-from megatron_longstraw.attention.kernel_options import ATTENTION_BACKENDS, DSA_TOPK_MODES, KernelOptions
+from megatron_longstraw.attention.kernel_options import (
+    ATTENTION_BACKENDS, DSA_TOPK_MODES, FP8_ATTENTION_MODES, KernelOptions)
 
 
 DEFAULT_MODEL = "qwen3.5-debug"
@@ -269,6 +270,9 @@ def add_kernel_flags(g) -> None:
     g.add_argument("--dsa-gather-elements", type=int, default=d.dsa_gather_elements,
                    help="elements of one query block's gathered latents and scores in DSA sparse attention "
                         "(sets its query block)")
+    g.add_argument("--fp8-attention", default=d.fp8_attention, choices=FP8_ATTENTION_MODES,
+                   help="capture: the prompt capture's full attention in FP8 on Hopper (cuDNN's sdpa_fp8; needs "
+                        "nvidia-cudnn-frontend; replay, decoding and the prompt backward stay in the model's dtype)")
     g.add_argument("--dsa-topk", default=d.dsa_topk, choices=DSA_TOPK_MODES,
                    help="how the DSA running top-k ranks a key block's fp32 scores: packed (every score in an "
                         "int64 with its position) or float (the block's fp32 top-k first); same selection")
