@@ -75,23 +75,47 @@ def test_glm_recipe_decodes_under_cp_or_trains_on_rollouts_it_is_given(tmp_path)
     assert args.rollout_source == "jsonl" and args.rollout_path == str(rollouts)
 
 
+def _launches(tmp_path, script: str, env: dict, *args: str) -> list[list[str]]:
+    """Every argument list ``examples/{script} args...`` gives the interpreter, in order."""
+    record = tmp_path / "argvs"
+    record.unlink(missing_ok=True)
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" >> "{record}"\nprintf "\\n" >> "{record}"\n')
+    stub.chmod(0o755)
+    subprocess.run(["bash", str(ROOT / "examples" / script), *args], check=True, capture_output=True, timeout=60,
+                   env={**os.environ, "PYTHON": str(stub), **env})
+    return [line.split("\0") for line in record.read_text().split("\0\n")[:-1]]
+
+
 def test_retrieval_study_runs_both_modes_alike(tmp_path):
-    """The study's two arms differ only in ``--prompt-gradient`` and their folders; each stops
-    within a 10-minute job and resumes; an evaluation-only launch takes the extra flags; a wrong
-    mode is one line and a non-zero exit."""
+    """The study's two arms differ only in ``--prompt-gradient`` and their folders; the supervised
+    warm start runs while its checkpoint is missing, then GRPO starts from it (and, on a later
+    launch, resumes its own checkpoint; the warm start does not run again); GRPO stops within a
+    10-minute job; an evaluation-only launch takes the extra flags; a wrong mode is one line and a
+    non-zero exit."""
     runs = {}
     for mode in ("exact", "detached"):
-        argv = _launch(tmp_path, "retrieval_study.sh", {}, mode)
-        assert argv[0] == "train_grpo.py"
-        args = parse_args(argv[1:])
-        assert args.prompt_gradient == mode and args.save == f"runs/retrieval-{mode}/checkpoints"
+        run = str(tmp_path / mode)
+        warm, grpo = _launches(tmp_path, "retrieval_study.sh", {"RUN_DIR": run}, mode)
+        assert warm[0] == grpo[0] == "train_grpo.py"
+        at = grpo.index("--pretrained-checkpoint")  # (parsing would look for the checkpoint)
+        assert grpo[at + 1] == f"{run}/warm"
+        warm_args, args = parse_args(warm[1:]), parse_args(grpo[1:at] + grpo[at + 2:])
+        assert warm_args.loss_type == "sft" and warm_args.save == f"{run}/warm"
+        assert warm_args.prompt_gradient == args.prompt_gradient == mode and warm_args.train_iters == 25
+        assert args.loss_type == "grpo" and args.save == f"{run}/checkpoints"
         assert args.exit_duration_in_mins < 10 and args.curriculum.longest == 32768 and args.eval_interval
-        runs[mode] = [a for a in argv if a not in (mode, f"runs/retrieval-{mode}/checkpoints",
-                                                   f"retrieval-{mode}", f"runs/retrieval-{mode}")]
+        runs[mode] = [[a for a in argv if a != mode and run not in a and not a.startswith(f"retrieval-{mode}")]
+                      for argv in (warm, grpo)]
     assert runs["exact"] == runs["detached"]
+    (tmp_path / "exact" / "warm").mkdir(parents=True)
+    (tmp_path / "exact" / "warm" / "latest_checkpointed_iteration.txt").write_text("25")
     (tmp_path / "ckpt").mkdir()  # (read only when the run starts)
-    args = parse_args(_launch(tmp_path, "retrieval_study.sh", {}, "exact", "--skip-train", "--load",
-                              str(tmp_path / "ckpt"), "--eval-prompt-lengths", "131072,524288")[1:])
+    launches = _launches(tmp_path, "retrieval_study.sh", {"RUN_DIR": str(tmp_path / "exact")}, "exact",
+                         "--skip-train", "--load", str(tmp_path / "ckpt"), "--eval-prompt-lengths", "131072,524288")
+    assert len(launches) == 1  # the warm start is there: GRPO (here its evaluation) only
+    at = launches[0].index("--pretrained-checkpoint")
+    args = parse_args(launches[0][1:at] + launches[0][at + 2:])
     assert args.skip_train and args.eval_lengths == [131072, 524288] and args.load == str(tmp_path / "ckpt")
     bad = subprocess.run(["bash", str(ROOT / "examples/retrieval_study.sh"), "full"], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PYTHON": "false"})

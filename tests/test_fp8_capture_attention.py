@@ -15,8 +15,8 @@ from megatron_longstraw.testing.fp8_attention_emulation import emulated_sdpa_fp8
 
 
 def test_power_of_two_scales_by_hand():
-    amax = torch.tensor([1.0, 448.0, 0.0, 1000.0, float("inf"), 3.0e-3])
-    assert fp8.pow2_scale(amax).tolist() == [256.0, 1.0, 1.0, 0.25, 1.0, 2.0 ** 17]
+    amax = torch.tensor([1.0, 448.0, 0.0, 1000.0, float("inf"), 3.0e-3, 1e-38])
+    assert fp8.pow2_scale(amax).tolist() == [256.0, 1.0, 1.0, 0.25, 1.0, 2.0 ** 17, 2.0 ** 126]
     x = torch.tensor([[-3.0, 0.5], [2.0, 1.0]], dtype=torch.bfloat16)
     x8, descale = fp8.cast_fp8(x)
     assert x8.dtype == torch.float8_e4m3fn and descale.shape == (1, 1, 1, 1) and descale.item() == 1 / 128
@@ -78,6 +78,7 @@ def test_capture_through_the_hook_matches_the_plain_capture(single_process):
     assert (hooked.last_logits_BV - plain.last_logits_BV).abs().max().item() < 1e-10
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_the_flag_is_refused_where_it_cannot_run(single_process):
     """On a machine without a Hopper GPU, and for a model without full attention: one line naming
     the flag; an unknown mode names it too."""
@@ -92,3 +93,6 @@ def test_the_flag_is_refused_where_it_cannot_run(single_process):
         build_model(resolve_hf_config("glm-5-debug"), options)
     with pytest.raises(ValueError, match="--fp8-attention must be one of"):
         KernelOptions(fp8_attention="always").validate()
+    q = torch.zeros(4, 2, 2, 16)
+    with pytest.raises(ValueError, match=r"^--fp8-attention capture captures one prompt at a time"):
+        fp8.fp8_capture_attention(q, q[:, :, :1], q[:, :, :1], kernel=emulated_sdpa_fp8)

@@ -111,6 +111,7 @@ def _prompt_stacks(q_SBHD, prompt_k_SBGD, prompt_v_SBGD, scale, options):
 def _fused_merge(q_SBHD, k_SBGD, v_SBGD, cp_group) -> bool:
     """Whether the step takes ``decode_merge_triton``: one query per sample on a GPU, no CP."""
     return (q_SBHD.is_cuda and q_SBHD.shape[0] == 1 and cp_group is None
+            and q_SBHD.dtype in (torch.bfloat16, torch.float16, torch.float32)  # fp64: the torch path
             and all(t.stride(-1) == 1 for t in (q_SBHD, k_SBGD, v_SBGD)))
 
 

@@ -60,7 +60,7 @@ def _decode_merge_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, out1_ptr, lse1_ptr, out
     total = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_DV,), tl.float32)
     for start in range(0, rows, BLOCK_T):  # own keys: online softmax over the valid rows
-        t = start + tl.arange(0, BLOCK_T)
+        t = (start + tl.arange(0, BLOCK_T)).to(tl.int64)  # row offsets can pass 2^31 elements
         ok = t < valid
         k = tl.load(k_ptr + t[:, None] * stride_kt + b * stride_kb + g * stride_kg + dims[None, :],
                     mask=ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)

@@ -17,8 +17,10 @@ is the only rounding:
   kernel multiplies its products back by the descales (the reciprocals).
 - ``P``, the unnormalized probabilities ``exp(S - rowmax)``: in ``(0, 1]``, so the fixed
   scale 256 (the power of two below 448) needs no pass over them.
-- ``O``: a convex combination of ``V``'s rows, so ``|O| <= amax(V)`` and the same power of two as
-  ``V``'s is safe; Hopper's kernel writes ``O`` in E4M3, dequantized here (fp32) before the merge.
+- ``O``: a convex combination of ``V``'s rows, so ``|O| <= amax(V)``, but the rounded
+  probabilities over their unrounded row sum can exceed 1 by E4M3's rounding (up to 2^-4): half of
+  ``V``'s scale leaves that room. Hopper's kernel writes ``O`` in E4M3, dequantized here (fp32)
+  before the merge.
 
 The K/V pages stay bf16 in the prompt state; each call casts its block of them to E4M3 (a
 transient of one byte per element of the block). Replay, decoding and the prompt backward keep
@@ -27,6 +29,7 @@ machine (its ``emulated_sdpa_fp8`` is the kernel's reference); without context p
 """
 
 import importlib
+from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
@@ -41,10 +44,11 @@ P_SCALE = 256.0
 
 def pow2_scale(amax_X: torch.Tensor, fp8_max: float = E4M3_MAX) -> torch.Tensor:
     """``2^floor(log2(fp8_max / amax))`` (fp32, same shape): the largest power-of-two scale that
-    keeps ``amax`` within ``fp8_max``; 1 where ``amax`` is 0 or not finite."""
+    keeps ``amax`` within ``fp8_max`` (within fp32's normal exponents); 1 where ``amax`` is 0 or not
+    finite."""
     amax_X = amax_X.float()
     ok_X = torch.isfinite(amax_X) & (amax_X > 0)
-    exponent_X = torch.floor(torch.log2(fp8_max / torch.where(ok_X, amax_X, 1.0)))
+    exponent_X = torch.floor(torch.log2(fp8_max / torch.where(ok_X, amax_X, 1.0))).clamp(-126, 126)  # fp32's
     return torch.where(ok_X, torch.exp2(exponent_X), 1.0)
 
 
@@ -74,7 +78,10 @@ def check_supported(head_dims, device: torch.device) -> None:
                              f"256, and this model's full attention has head dim {dim}")
 
 
-_GRAPHS: dict = {}
+MAX_GRAPHS = 64
+"""cuDNN graphs kept (the least recently used goes first): one per shape of call, and a run's
+shapes are few (its whole page blocks, its chunk length, the last blocks and chunks)."""
+_GRAPHS: "OrderedDict" = OrderedDict()
 _HANDLES: dict = {}
 
 
@@ -93,7 +100,21 @@ def _graph(q8, k8, v8, attn_scale: float, causal: bool):
     kept): inputs q, k, v (E4M3) and the six scalars, outputs O (E4M3) and the stats (fp32)."""
     key = (tuple(q8.shape), q8.stride(), tuple(k8.shape), k8.stride(), v8.stride(), attn_scale, causal, q8.device)
     if key in _GRAPHS:
+        _GRAPHS.move_to_end(key)
         return _GRAPHS[key]
+    try:
+        built = _build(q8, k8, v8, attn_scale, causal)
+    except Exception as err:  # cuDNN's errors are of its own types; an old frontend's a TypeError
+        raise ValueError(f"{FLAG}: cuDNN cannot run FP8 attention of q {tuple(q8.shape)}, k {tuple(k8.shape)} "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from err
+    _GRAPHS[key] = built
+    while len(_GRAPHS) > MAX_GRAPHS:
+        _GRAPHS.popitem(last=False)
+    return built
+
+
+def _build(q8, k8, v8, attn_scale: float, causal: bool):
+    """Build the graph of ``_graph`` (cuDNN frontend)."""
     import cudnn
 
     e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
@@ -113,17 +134,12 @@ def _graph(q8, k8, v8, attn_scale: float, causal: bool):
     stats_t.set_output(True).set_dim([b, h, s, 1]).set_stride([h * s, s, 1, 1]).set_data_type(fp32)
     for amax in (amax_s_t, amax_o_t):
         amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
-    try:
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        graph.check_support()
-        graph.build_plans()
-    except Exception as err:  # cuDNN's errors are of its own types
-        raise ValueError(f"{FLAG}: cuDNN cannot run FP8 attention of q {tuple(q8.shape)}, k {tuple(k8.shape)} "
-                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from err
-    _GRAPHS[key] = (graph, (q_t, k_t, v_t, *scalars, o_t, stats_t, amax_s_t, amax_o_t))
-    return _GRAPHS[key]
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    return graph, (q_t, k_t, v_t, *scalars, o_t, stats_t, amax_s_t, amax_o_t)
 
 
 def cudnn_sdpa_fp8(q8, k8, v8, descale_q, descale_k, descale_v, scale_s, scale_o, attn_scale: float,
@@ -152,10 +168,10 @@ def _part(kernel: Kernel, q8, descale_q, k_BGTD, v_BGTD, attn_scale, causal, fp8
     k8, descale_k = cast_fp8(k_BGTD, fp8_dtype)
     v8, descale_v = cast_fp8(v_BGTD, fp8_dtype)
     scale_s = torch.full((1, 1, 1, 1), P_SCALE, dtype=torch.float32, device=q8.device)
-    scale_o = 1.0 / descale_v
+    scale_o = 0.5 / descale_v  # |O| <= amax(V) up to P's rounding: one binade of headroom
     out8, lse = kernel(q8, k8, v8, descale_q, descale_k, descale_v, scale_s, scale_o, attn_scale, causal)
     compute = torch.float64 if out8.dtype == torch.float64 else torch.float32  # fp64: the exact-cast tests
-    return out8.to(compute) * descale_v.to(compute), lse.to(compute)
+    return out8.to(compute) / scale_o.to(compute), lse.to(compute)
 
 
 def fp8_capture_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: torch.Tensor,
@@ -167,9 +183,11 @@ def fp8_capture_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: to
     the chunk's keys ``[s, 1, groups, d]`` (causal); no autograd. Returns ``[s, 1, h, d_v]`` in the
     queries' dtype. ``kernel`` (default: cuDNN's) and ``fp8_dtype`` let the CPU tier run the same
     orchestration on the emulated kernel."""
+    assert kernel is not None or fp8_dtype == torch.float8_e4m3fn, "cuDNN's graph here is E4M3"
     kernel = cudnn_sdpa_fp8 if kernel is None else kernel
     seq, batch, heads, dim = q_SBHD.shape
-    assert batch == 1, "the capture runs one prompt"
+    if batch != 1:
+        raise ValueError(f"{FLAG} captures one prompt at a time, got a batch of {batch}")
     attn_scale = default_scale(scale, dim)
     block = options.prefix_block if options is not None else 262_144
     with torch.no_grad():
@@ -201,8 +219,9 @@ def enable_fp8_capture_attention(model) -> None:
         if cp > 1:
             raise ValueError(f"{FLAG} does not run under --context-parallel-size {cp} (the capture's "
                              f"context-parallel attention stays bf16)")
-        if not cores and parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            return  # a pipeline stage without full attention: nothing to change here
+    full_attention = "full_attention" in getattr(model, "hf_config", {}).get("layer_types", ())
+    if not cores and full_attention:
+        return  # a pipeline stage without the model's full-attention layers: nothing to change here
     if not cores:
         raise ValueError(f"{FLAG}: the model has no full-attention layer it applies to (GLM-5's MLA and DSA "
                          f"attention keep their own kernels)")
