@@ -13,6 +13,7 @@ from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.patches.dsa_causal_topk import dsa, fused_qk_topk_causal
 from megatron_longstraw.testing.parity import max_rel_error
+from megatron_longstraw.testing.triton_interpreter import run_interpreted
 
 HEADS, DIM = 4, 16
 
@@ -193,12 +194,5 @@ def test_fused_index_score_kernel_in_triton_interpreter():
     ``_compute_index_scores`` on the same fp16 inputs (exact products, fp32 sums in another
     order: 1e-5), with the causal mask at arbitrary query/key offsets and a shared key batch.
     (The interpreter reads bf16 as raw bits; bf16 runs in the GPU tier.)"""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    result = subprocess.run([sys.executable, "-c", _INTERPRETED_KERNEL], env=env, cwd=root, capture_output=True,
-                            text=True, timeout=300)
+    result = run_interpreted(_INTERPRETED_KERNEL)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.partials import default_scale, merge_partials
 
 FLAG = "--fp8-attention capture"
@@ -128,7 +129,7 @@ def _build(q8, k8, v8, attn_scale: float, causal: bool):
         q=q_t, k=k_t, v=v_t, descale_q=scalars[0], descale_k=scalars[1], descale_v=scalars[2],
         descale_s=scalars[3], scale_s=scalars[4], scale_o=scalars[5], generate_stats=True,
         attn_scale=attn_scale, use_causal_mask=causal, name="capture_sdpa_fp8")
-    b, h, s, d = q8.shape
+    b, h, s, _ = q8.shape
     o_t.set_output(True).set_dim([b, h, s, v8.shape[-1]]).set_stride([h * s * v8.shape[-1], s * v8.shape[-1],
                                                                       v8.shape[-1], 1]).set_data_type(e4m3)
     stats_t.set_output(True).set_dim([b, h, s, 1]).set_stride([h * s, s, 1, 1]).set_data_type(fp32)
@@ -176,7 +177,8 @@ def _part(kernel: Kernel, q8, descale_q, k_BGTD, v_BGTD, attn_scale, causal, fp8
 
 def fp8_capture_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: torch.Tensor,
                           prefix_k_SBGD: Optional[torch.Tensor] = None, prefix_v_SBGD: Optional[torch.Tensor] = None,
-                          scale: Optional[float] = None, options=None, *, kernel: Optional[Kernel] = None,
+                          scale: Optional[float] = None, options: KernelOptions = KernelOptions(), *,
+                          kernel: Optional[Kernel] = None,
                           fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """A capture chunk's attention in FP8 (module doc): the queries ``[s, 1, h, d]`` over the
     batch-1 pages ``[p, 1, groups, d]`` (all visible, in blocks of ``options.prefix_block``) and
@@ -189,15 +191,14 @@ def fp8_capture_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: to
     if batch != 1:
         raise ValueError(f"{FLAG} captures one prompt at a time, got a batch of {batch}")
     attn_scale = default_scale(scale, dim)
-    block = options.prefix_block if options is not None else 262_144
     with torch.no_grad():
         q8_SBHD, descale_q = cast_fp8(q_SBHD, fp8_dtype)
         q8 = q8_SBHD.permute(1, 2, 0, 3)
         out_BHSD, lse_BHS = _part(kernel, q8, descale_q, k_SBGD.permute(1, 2, 0, 3), v_SBGD.permute(1, 2, 0, 3),
                                   attn_scale, True, fp8_dtype)
         pages = 0 if prefix_k_SBGD is None else prefix_k_SBGD.shape[0]
-        for start in range(0, pages, block):
-            end = min(start + block, pages)
+        for start in range(0, pages, options.prefix_block):
+            end = min(start + options.prefix_block, pages)
             part = _part(kernel, q8, descale_q, prefix_k_SBGD[start:end].permute(1, 2, 0, 3),
                          prefix_v_SBGD[start:end].permute(1, 2, 0, 3), attn_scale, False, fp8_dtype)
             out_BHSD, lse_BHS = merge_partials(out_BHSD, lse_BHS, *part)

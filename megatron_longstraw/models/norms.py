@@ -20,10 +20,11 @@ _FUSED_WITHOUT_AUTOGRAD = False
 @contextlib.contextmanager
 def fused_without_autograd():
     """Within the block, RMSNorms that run without autograd take one fused kernel (on a GPU
-    ``ops/rms_norm_triton.py``, where the step-by-step math is ten; elsewhere, and inside a
-    compiled function, torch's ``rms_norm``): the prompt's capture and decoding enter it. Elsewhere they keep the step-by-step math of the autograd path, so that the old
-    log-probs scored without autograd are bit for bit the ones replay computes (the ratio is
-    exactly 1 before an update); the fused kernel rounds differently."""
+    ``ops/rms_norm_triton.py``, where the step-by-step math is ten; on a CPU, and inside a
+    compiled function, torch's ``rms_norm``): the prompt's capture and decoding enter it. Outside
+    the block they keep the step-by-step math of the autograd path, so that the old log-probs
+    scored without autograd are bit for bit the ones replay computes (the ratio is exactly 1
+    before an update); the fused kernel rounds differently."""
     global _FUSED_WITHOUT_AUTOGRAD
     previous, _FUSED_WITHOUT_AUTOGRAD = _FUSED_WITHOUT_AUTOGRAD, True
     try:

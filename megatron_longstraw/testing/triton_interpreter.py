@@ -2,8 +2,8 @@
 
 ``run_interpreted(source)`` runs ``source`` in a fresh Python with ``TRITON_INTERPRET=1`` (the
 variable must be set before Triton loads, hence the process) and returns its completed process;
-``patch_loop_bounds()``, called first by that source, works around a Triton 3.6 interpreter
-defect: a scalar argument used as a loop bound becomes a Python int by ``int()`` of a
+``patch_loop_bounds()``, called first by a source whose kernels loop over a scalar argument,
+works around a Triton 3.6 interpreter defect: a scalar argument used as a loop bound becomes a Python int by ``int()`` of a
 one-element array, which numpy >= 2.5 refuses, so it is converted with ``.item()`` instead.
 The interpreter reads bf16 as raw bits: bf16 runs in the GPU tier.
 """
