@@ -3,9 +3,13 @@
 # three content ids: a formatted guess earns 1/3, reading the prompt 1.0) with the two-layer
 # hybrid model from random weights, the same model, data, seeds and steps in each
 # --prompt-gradient mode:
-#   1. a warm start: 25 supervised steps (--loss-type sft) at 512-token prompts; it teaches the
+#   1. a warm start: 25 supervised steps (--loss-type sft) at 32-token prompts; it teaches the
 #      answer's format, not the lookup (held-out greedy reward stays at the format ceiling);
-#   2. GRPO from it, with a prompt-length curriculum to 32K and held-out evaluation every 25 steps.
+#   2. GRPO from it, with a prompt-length curriculum from 32 tokens to 32K (50 steps at each of
+#      32, 512 and 4096, then 32K) and held-out evaluation every 25 steps.
+# Both phases capture a prompt of up to 32K tokens as one chunk (--prompt-chunk-size 32768), so
+# the held-out evaluation at 32K runs one chunk per prompt (at the warm start's 32-token prompts a
+# 32-token chunk would mean 1,024 chunks per evaluated prompt).
 #
 #   bash examples/retrieval_study.sh exact          # then: detached
 #   bash examples/retrieval_study.sh exact --skip-train --eval-prompt-lengths 131072,524288
@@ -30,11 +34,11 @@ common=(--hf-config examples/configs/qwen3.5-retrieval-tiny.json --bf16 --max-po
         --clip-grad 1.0 --seed 1 --eval-interval 25 --eval-prompts 64 --eval-prompt-lengths 512,32768)
 if [ ! -f "$run/warm/latest_checkpointed_iteration.txt" ]; then
   "$PYTHON" train_grpo.py "${common[@]}" --loss-type sft --num-generations 2 --lr 3e-3 --train-iters 25 \
-      --synthetic-prompt-length 512 --prompt-chunk-size 512 \
+      --synthetic-prompt-length 32 --prompt-chunk-size 32768 \
       --save "$run/warm" --wandb-exp-name "retrieval-$mode-warm" --wandb-save-dir "$run/warm-metrics"
 fi
 "$PYTHON" train_grpo.py "${common[@]}" --pretrained-checkpoint "$run/warm" \
     --num-generations 8 --lr 1e-3 --entropy-coef 0.05 \
-    --prompt-length-schedule 512:100,4096:100,32768 --prompt-chunk-size 32768 --train-iters 300 \
+    --prompt-length-schedule 32:50,512:50,4096:50,32768 --prompt-chunk-size 32768 --train-iters 250 \
     --exit-duration-in-mins 7 --save-interval 50 \
     --save "$run/checkpoints" --wandb-exp-name "retrieval-$mode" --wandb-save-dir "$run" "$@"

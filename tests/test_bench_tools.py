@@ -270,3 +270,34 @@ def test_exact_gradient_check_tells_exact_from_detached(tmp_path):
     assert exact["tensors"] > exact["of"] // 2
     assert detached["whole"] < 0.999 and detached["below_0_99"]
     assert "| exact vs full graph |" in (tmp_path / "exact_gradient_qwen3.5-debug.md").read_text()
+
+
+def test_fp8_attention_bench_end_to_end(tmp_path):
+    """tools/bench_fp8_attention.py on the emulated cuDNN kernel (CPU): a row per length, the FP8
+    capture moves the log-probs and the gradients a little but not much, and where the exact
+    emulation runs beside it the orchestration lands where the ideal FP8 kernel does."""
+    cmd = [sys.executable, str(ROOT / "tools/bench_fp8_attention.py"), "--model", "qwen3.5-debug",
+           "--prompt-lengths", "96", "--emulation-prompt-lengths", "160", "--prompt-chunk-size", "64",
+           "--emulation-chunk-size", "48", "--response-length", "8", "--warmup-prompt-length", "0",
+           "--fp8-kernel", "emulated", "--output-dir", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=300)
+    data = json.loads((tmp_path / "fp8_attention_qwen3.5-debug.json").read_text())
+    assert "tools/bench_fp8_attention.py" in data["command"]
+    first, second = data["rows"]
+    assert (first["prompt_length"], first["chunk"], second["prompt_length"], second["chunk"]) == (96, 64, 160, 48)
+    assert "emulation" not in first
+    for row in (first["fp8"], second["fp8"], second["emulation"]):
+        assert 0 < row["logprob_mean_abs"] < 0.1 and 0 < row["loss_rel_err"] < 1e-3, row
+        assert 0.9 < row["cosine"] <= 1.0, row
+    assert abs(second["fp8"]["cosine"] - second["emulation"]["cosine"]) < 0.02, second
+    assert "| FP8 emulation |" in (tmp_path / "fp8_attention_qwen3.5-debug.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a CUDA GPU")
+def test_fp8_attention_bench_names_the_flag_without_a_gpu(tmp_path):
+    cmd = [sys.executable, str(ROOT / "tools/bench_fp8_attention.py"), "--model", "qwen3.5-debug",
+           "--prompt-lengths", "64", "--emulation-prompt-lengths", "", "--output-dir", str(tmp_path)]
+    bad = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode != 0
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: --fp8-attention capture needs a CUDA GPU"), bad.stderr
+    assert not list(tmp_path.iterdir())  # nothing written

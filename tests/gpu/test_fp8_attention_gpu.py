@@ -1,7 +1,7 @@
 """GPU tier, FP8 attention in the capture (``--fp8-attention capture``; the cuDNN frontend from
-``.whl-c``, ``scripts/gpu_host.sh install-c``): cuDNN's ``sdpa_fp8`` against its torch emulation on
-the same E4M3 inputs, the capture of ``qwen3.5-0.8b`` against its bf16 capture, and a head dim
-it cannot take."""
+``.whl-c``, ``scripts/gpu_host.sh install-c``): cuDNN's ``sdpa_fp8`` against exact attention on the
+same E4M3 inputs, beside its torch emulation; the capture of ``qwen3.5-0.8b`` against its bf16
+capture; and a head dim it cannot take."""
 
 import importlib
 
@@ -26,13 +26,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper_with_cudnn_fronten
 
 
 @pytest.mark.parametrize("causal,queries,keys", [(False, 512, 2048), (True, 512, 512), (False, 500, 1000),
-                                                 (True, 404, 404)])
-def test_cudnn_kernel_matches_its_emulation(causal, queries, keys, record_property):
-    """One call (lengths on the 128-grid and off it), 8 query / 2 KV heads of 256: cuDNN's output
-    (dequantized) and log-sum-exp against the emulation's on the same E4M3 inputs and scales. The
-    emulation casts P against the row's maximum, a fused kernel against running block maxima
-    (and may scale the normalized P): both on E4M3's grid, so they differ by
-    a few E4M3 roundings, well under the 6% FP8 itself moves the output."""
+                                                 (True, 404, 404), (False, 512, 8192)])
+def test_cudnn_kernel_is_as_accurate_as_its_emulation(causal, queries, keys, record_property):
+    """One call (lengths on the 128-grid and off it), 8 query / 2 KV heads of 256, on E4M3 inputs
+    and their scales: cuDNN's output (dequantized) and log-sum-exp against exact attention of the
+    same dequantized inputs (every cast exact), beside the emulation's error against the same.
+
+    The kernel is not compared with the emulation directly: the emulation rounds P against the
+    row's maximum and a fused kernel against running block maxima, two roundings of P on the same
+    grid that differ by about sqrt(2) times the error of either (3.8% where each is 3.6%). Against
+    exact attention the kernel's error must be FP8's own: at most 1.1x the emulation's (an error of
+    the kernel's own, independent of FP8's, would add in quadrature: 1.1x allows one under half of
+    FP8's). The stats come from the same scores in both, so they agree to the kernel's fp32 softmax."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 8, queries, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 2, keys, 256, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
@@ -41,13 +46,22 @@ def test_cudnn_kernel_matches_its_emulation(causal, queries, keys, record_proper
     v8, dv = fp8.cast_fp8(v)
     scale_s = torch.full((1, 1, 1, 1), fp8.P_SCALE, device="cuda")
     scale_o = 0.5 / dv
-    got, got_lse = fp8.cudnn_sdpa_fp8(q8, k8, v8, dq, dk, dv, scale_s, scale_o, 256 ** -0.5, causal)
-    want, want_lse = emulated_sdpa_fp8(q8, k8, v8, dq, dk, dv, scale_s, scale_o, 256 ** -0.5, causal)
-    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    lse = (got_lse - want_lse).abs().max().item()
-    record_property("out_rel_err", f"{rel:.2e}")
+    args = (dq, dk, dv, scale_s, scale_o, 256 ** -0.5, causal)
+    got, got_lse = fp8.cudnn_sdpa_fp8(q8, k8, v8, *args)
+    emulated, _ = emulated_sdpa_fp8(q8, k8, v8, *args)
+    exact, exact_lse = emulated_sdpa_fp8(q8.double(), k8.double(), v8.double(), *args)  # fp64 "FP8": exact casts
+    exact = exact / scale_o.double()
+
+    def rel(out):
+        return ((out.double() / scale_o.double() - exact).norm() / exact.norm()).item()
+
+    kernel_err, emulation_err = rel(got), rel(emulated)
+    lse = (got_lse.double() - exact_lse).abs().max().item()
+    record_property("kernel_rel_err", f"{kernel_err:.3e}")
+    record_property("emulation_rel_err", f"{emulation_err:.3e}")
     record_property("lse_max_abs", f"{lse:.2e}")
-    assert rel < 2e-2 and lse < 1e-3, (rel, lse)
+    assert 0 < emulation_err < 0.1, emulation_err  # FP8 moves the output a few percent
+    assert kernel_err <= 1.1 * emulation_err and lse < 1e-3, (kernel_err, emulation_err, lse)
 
 
 def test_capture_in_fp8_against_bf16(single_process, record_property):
