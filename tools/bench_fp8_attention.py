@@ -20,7 +20,6 @@ emulation's.
 """
 
 import argparse
-import contextlib
 import functools
 import shlex
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 from megatron_longstraw.attention import fp8_capture_attention as fp8
-from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
+from megatron_longstraw.attention.sdpa_core import SDPACoreAttention, capture_attention_as
 from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.cost_model import prompt_flops
@@ -88,20 +87,6 @@ def parse_args(argv=None):
     if args.warmup_prompt_length < 0:
         raise ValueError(f"--warmup-prompt-length must be >= 0, got {args.warmup_prompt_length}")
     return args
-
-
-@contextlib.contextmanager
-def capture_hook(model, attend):
-    """Inside, every full-attention core of ``model`` captures with ``attend`` (``None``: its own)."""
-    cores = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
-    saved = [core.capture_attention for core in cores]
-    for core in cores:
-        core.capture_attention = attend
-    try:
-        yield
-    finally:
-        for core, hook in zip(cores, saved):
-            core.capture_attention = hook
 
 
 def _sync():
@@ -168,7 +153,7 @@ def main(argv=None) -> None:
             chunks = {args.prompt_chunk_size} | ({args.emulation_chunk_size} if args.emulation_prompt_lengths else set())
             for chunk in sorted(chunks):
                 for attend in (None, kernel):
-                    with capture_hook(model, attend):
+                    with capture_attention_as(model, attend):
                         capture_and_replay(model, warm, responses, chunk)
         rows = []
         lengths = sorted(set(args.prompt_lengths) | set(args.emulation_prompt_lengths))
@@ -177,7 +162,7 @@ def main(argv=None) -> None:
             emulate = length in args.emulation_prompt_lengths
             chunk = args.emulation_chunk_size if emulate else args.prompt_chunk_size
             bf16 = capture_and_replay(model, prompt, responses, chunk)
-            with capture_hook(model, kernel):
+            with capture_attention_as(model, kernel):
                 measured = against(bf16, capture_and_replay(model, prompt, responses, chunk))
             row = dict(prompt_length=length, chunk=chunk, bf16_capture_s=bf16["capture_s"], fp8=measured)
             flops = prompt_flops(hf, model, length)

@@ -11,6 +11,7 @@ are sharded over the CP group and capture/replay/decode merge every rank's part 
 backend, prefix block), which the model build sets.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -235,3 +236,19 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
                                     cp_group=cp_group, options=self.kernel_options)
         raise ValueError("SDPACoreAttention: the full-graph baseline (--replay-mode full) is not "
                          f"supported with --context-parallel-size {cp_group.size()} > 1 yet")
+
+
+@contextmanager
+def capture_attention_as(model: torch.nn.Module, attend: Optional[Callable]):
+    """Inside, every ``SDPACoreAttention`` of ``model`` computes its capture with ``attend``
+    (its ``capture_attention`` hook; ``None``: the cores' own attention); the hooks are restored
+    on exit. Yields the cores."""
+    cores = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
+    saved = [core.capture_attention for core in cores]
+    for core in cores:
+        core.capture_attention = attend
+    try:
+        yield cores
+    finally:
+        for core, hook in zip(cores, saved):
+            core.capture_attention = hook

@@ -31,7 +31,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_longstraw.attention.partials import default_scale, expand_groups
-from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
+from megatron_longstraw.attention.sdpa_core import SDPACoreAttention, capture_attention_as
 from megatron_longstraw.testing.fp8_emulation import E4M3, quantize_dequantize
 
 
@@ -97,14 +97,7 @@ def emulated_fp8_capture_attention(model: torch.nn.Module):
     ``fp8_prefix_attention``; the hooks are restored on exit."""
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1:
         raise ValueError("emulated FP8 attention: the capture under context parallelism does not take the hook")
-    cores = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
-    if not cores:
+    if not any(isinstance(m, SDPACoreAttention) for m in model.modules()):
         raise ValueError("emulated FP8 attention: the model has no full-attention core (SDPACoreAttention)")
-    saved = [core.capture_attention for core in cores]
-    for core in cores:
-        core.capture_attention = fp8_prefix_attention
-    try:
+    with capture_attention_as(model, fp8_prefix_attention):
         yield
-    finally:
-        for core, hook in zip(cores, saved):
-            core.capture_attention = hook
