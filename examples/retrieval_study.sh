@@ -4,7 +4,8 @@
 # hybrid model from random weights, the same model, data, seeds and steps in each
 # --prompt-gradient mode:
 #   1. a warm start: 25 supervised steps (--loss-type sft) at 32-token prompts; it teaches the
-#      answer's format, not the lookup (held-out greedy reward stays at the format ceiling);
+#      answer's format (in the exact mode also the lookup at short prompts), while the held-out
+#      greedy reward at 32K stays at the format ceiling;
 #   2. GRPO from it, with a prompt-length curriculum from 32 tokens to 32K (50 steps at each of
 #      32, 512 and 4096, then 32K) and held-out evaluation every 25 steps.
 # Both phases capture a prompt of up to 32K tokens as one chunk (--prompt-chunk-size 32768), so

@@ -6,7 +6,8 @@ call's amax, and leaving the block restores the model bit for bit."""
 import pytest
 import torch
 
-from megatron_longstraw.testing.fp8_emulation import E4M3, E5M2, emulated_fp8_linears, quantize_dequantize
+from megatron_longstraw.testing.fp8_emulation import (E4M3, E5M2, emulated_fp8_linears, emulated_fp8_matmul,
+                                                      quantize_dequantize)
 
 
 @pytest.mark.parametrize("dtype, mantissa_bits", [(E4M3, 3), (E5M2, 2)])
@@ -57,6 +58,21 @@ def test_switched_linear_computes_forward_and_backward_from_cast_operands(single
     torch.testing.assert_close(x2.grad, g8 @ w8, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(w.grad, g8.reshape(10, -1).t() @ x8.reshape(10, -1), rtol=1e-6, atol=1e-6)
     assert bool(torch.isclose(x8.abs().max(), x1.abs().max())) == (recipe == "delayed")  # delayed: saturated
+
+
+def test_one_matmul_computes_from_cast_operands():
+    """``emulated_fp8_matmul`` alone (a single layer's reference): the product of the E4M3 casts,
+    and the gradients from the E5M2 output gradient and the same E4M3 operands."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(64, 16, generator=gen, dtype=torch.float64) * 1e-4
+    y = emulated_fp8_matmul(x, w)
+    y.backward(dy)
+    x8, w8, g8 = quantize_dequantize(x.detach(), E4M3), quantize_dequantize(w.detach(), E4M3), quantize_dequantize(dy, E5M2)
+    assert torch.equal(y.detach(), x8 @ w8.t())
+    assert torch.equal(x.grad, g8 @ w8) and torch.equal(w.grad, g8.t() @ x8)
+    assert not torch.equal(y.detach(), x.detach() @ w.detach().t())  # the casts did round
 
 
 def test_model_switch_covers_the_te_fp8_gemms_and_restores(single_process):

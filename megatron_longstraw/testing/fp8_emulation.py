@@ -120,6 +120,13 @@ def switched_linears(model: torch.nn.Module, make_forward_impl: Callable[[], Cal
             del module._forward_impl  # back to the class's implementation
 
 
+def emulated_fp8_matmul(x_SI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
+    """``x_SI @ weight_OI.T`` as one ideal FP8 GEMM of the hybrid format with tensorwise scales
+    (the casts above, exact accumulation), differentiable in both operands: one layer's
+    reference outside a model."""
+    return _Fp8Linear.apply(x_SI, weight_OI, _Scales("tensorwise", "both"), torch.is_grad_enabled())
+
+
 def emulated_fp8_linears(model: torch.nn.Module, recipe: str = "tensorwise", passes: str = "both"):
     """Context manager: within it, ``model``'s linear layers except the output layer compute as
     FP8 GEMMs of ``recipe`` in ``passes`` (module docstring), each layer with its own scales."""

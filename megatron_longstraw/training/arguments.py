@@ -272,7 +272,9 @@ def add_kernel_flags(g) -> None:
                         "(sets its query block)")
     g.add_argument("--fp8-attention", default=d.fp8_attention, choices=FP8_ATTENTION_MODES,
                    help="capture: the prompt capture's full attention in FP8 on Hopper (cuDNN's sdpa_fp8; needs "
-                        "nvidia-cudnn-frontend; replay, decoding and the prompt backward stay in the model's dtype)")
+                        "nvidia-cudnn-frontend; replay, decoding and the prompt backward stay in the model's dtype); "
+                        "experimental: measured far from exact attention over a million keys "
+                        "(docs/transformer_engine.md)")
     g.add_argument("--dsa-topk", default=d.dsa_topk, choices=DSA_TOPK_MODES,
                    help="how the DSA running top-k ranks a key block's fp32 scores: packed (every score in an "
                         "int64 with its position) or float (the block's fp32 top-k first); same selection")

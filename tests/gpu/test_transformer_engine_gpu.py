@@ -67,12 +67,12 @@ def _qwen_08b_pair(recipe: str):
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_fp8_replay_tracks_bf16_on_qwen_0_8b_at_32k(single_process, record_property, recipe):
     """32K-token prompt, two 1,024-token responses: FP8 capture + replay against bf16 capture +
-    replay of the same weights: loss within 1%, gradient cosine >= 0.99 — from the model's very
-    first replay (delayed scaling calibrates its gradient scales there, ``models/fp8.py``); then
-    20 more FP8 captures and replays (delayed-scaling histories advancing) stay finite in loss
-    and gradients. The cosine check is the target's; on random weights FP8 numerics alone reach
-    about 0.42 (``tools/fp8_sensitivity.py``), so it fails here: the test below judges TE by the
-    emulated FP8's cosine instead."""
+    replay of the same weights, from the model's very first replay (delayed scaling calibrates
+    its gradient scales there, ``models/fp8.py``): loss within 1%; then 20 more FP8 captures and
+    replays (delayed-scaling histories advancing) stay finite in loss and gradients. The gradient
+    cosine and the parameters that pull it down are recorded; it is judged against the emulated
+    FP8's (``test_te_fp8_moves_gradients_no_further_than_emulated_fp8``), since on random
+    weights FP8 numerics alone take it to about 0.42 (``tools/fp8_sensitivity.py``)."""
     from megatron_longstraw.testing.parity import replay_gradients
 
     hf, bf16, fp8 = _qwen_08b_pair(recipe)
@@ -99,8 +99,8 @@ def test_fp8_replay_tracks_bf16_on_qwen_0_8b_at_32k(single_process, record_prope
         finite.append(bool(torch.isfinite(torch.tensor(loss))) and all(bool(g.isfinite().all()) for g in grads.values()))
     record_property("loss_rel_err_grad_cosine", f"{loss_error:.2e},{cosine:.4f}")
     record_property("finite_replays", f"{sum(finite)}/{len(finite)}")
-    assert all(finite), finite  # first: the cosine check cannot pass on random weights (tools/fp8_sensitivity.py)
-    assert loss_error <= 0.01 and cosine >= 0.99, (loss_error, cosine)
+    assert all(finite), finite
+    assert loss_error <= 0.01, loss_error
 
 
 
@@ -108,30 +108,36 @@ def test_fp8_replay_tracks_bf16_on_qwen_0_8b_at_32k(single_process, record_prope
 def test_fp8_capture_sees_weights_changed_since_the_last_capture(single_process, record_property, recipe):
     """TE keeps each weight's FP8 copy from a layer's first call on (Megatron passes
     ``is_first_microbatch=False`` after it), so each capture makes the layers cast again
-    (``models/fp8.py``). Between two captures of one FP8 model every parameter is negated in
-    place (the amaxes, so delayed scaling's scales, stay): the second capture's logits must be
-    a fresh FP8 model's on the negated weights, not the first capture's."""
+    (``models/fp8.py``). Between two captures of one FP8 model (4 layers of ``qwen3.5-0.8b``:
+    the debug sizes are not FP8's multiples of 16) the elements of every parameter are shuffled
+    in place (new weights of the same amax and spread, so delayed scaling's scales still fit).
+    Judged against the bf16 model of the shuffled weights: the second capture's logits no
+    further from them than a fresh FP8 model's (1.5x: under delayed scaling the two cast with
+    scales from different amaxes), and the first capture's (what stale FP8 weights give) far off."""
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.models.builder import build_model
-    from megatron_longstraw.models.presets import resolve_hf_config
+    from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
 
-    hf = resolve_hf_config("qwen3.5-debug")
+    hf = with_num_layers(resolve_hf_config("qwen3.5-0.8b"), 4)
     options = ModelOptions(params_dtype=BF16, transformer_impl="transformer_engine", fp8_format="hybrid",
                            fp8_recipe=recipe)
     model, fresh = build_model(hf, options), build_model(hf, options)
+    plain = build_model(hf, ModelOptions(params_dtype=BF16, transformer_impl="transformer_engine"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(0, hf["vocab_size"], (1, 512), device="cuda", generator=gen)
     with torch.no_grad():
         before = capture_prompt(model, prompt, 128).last_logits_BV
-        for p in model.parameters():
-            p.neg_()  # what an optimizer step does, writ large
-        for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
-            a.copy_(b)
+        for p in model.parameters():  # what an optimizer step does, writ large
+            p.copy_(p.flatten()[torch.randperm(p.numel(), device=p.device, generator=gen)].view_as(p))
+        for other in (fresh, plain):
+            for a, b in zip(other.parameters(), model.parameters(), strict=True):
+                a.copy_(b)
         after = capture_prompt(model, prompt, 128).last_logits_BV
         reference = capture_prompt(fresh, prompt, 128).last_logits_BV
-    error, stale = _rel(after, reference), _rel(before, reference)
-    record_property("rel_err_after_stale", f"{error:.2e},{stale:.2e}")
-    assert error < 0.25 and stale > 0.5, (error, stale)
+        truth = capture_prompt(plain, prompt, 128).last_logits_BV
+    error, fresh_error, stale = _rel(after, truth), _rel(reference, truth), _rel(before, truth)
+    record_property("rel_err_after_fresh_stale", f"{error:.2e},{fresh_error:.2e},{stale:.2e}")
+    assert error <= 1.5 * fresh_error and stale >= 3 * fresh_error, (error, fresh_error, stale)
 
 
 def test_delayed_scaling_first_capture_sets_forward_scales(single_process):
@@ -142,7 +148,7 @@ def test_delayed_scaling_first_capture_sets_forward_scales(single_process):
     from megatron_longstraw.models.builder import build_model
     from megatron_longstraw.models.presets import resolve_hf_config
 
-    hf = resolve_hf_config("qwen3.5-debug")
+    hf = resolve_hf_config("qwen3.5-0.8b")
     model = build_model(hf, ModelOptions(params_dtype=BF16, transformer_impl="transformer_engine",
                                          fp8_format="hybrid", fp8_recipe="delayed"))
     prompt = torch.randint(0, hf["vocab_size"], (1, 512), device="cuda")
@@ -169,7 +175,8 @@ def test_te_fp8_moves_gradients_no_further_than_emulated_fp8(single_process, rec
     (emulated on CPU: cosine 0.42, ``docs/transformer_engine.md``). So TE's FP8 is judged against
     the same FP8 numerics emulated in torch on the local spec (``testing/fp8_emulation.py``), same
     weights, 32K prompt and responses: TE's gradient cosine to its bf16 model may be at most 0.05
-    below the emulation's cosine to the local bf16 model. Lower means TE adds an error of its own."""
+    below the emulation's cosine to the local bf16 model (lower means TE adds an error of its
+    own), and TE's FP8 loss within 1% of its bf16 loss."""
     from megatron_longstraw.models.builder import build_model, spec_param_name
     from megatron_longstraw.testing.fp8_emulation import emulated_fp8_linears
 
@@ -183,50 +190,88 @@ def test_te_fp8_moves_gradients_no_further_than_emulated_fp8(single_process, rec
     prompt = torch.randint(0, hf["vocab_size"], (1, 32768), device="cuda", generator=gen)
     responses = [torch.randint(0, hf["vocab_size"], (1024,), device="cuda", generator=gen) for _ in range(2)]
     cosine = lambda a, b: torch.nn.functional.cosine_similarity(a[1], b[1], dim=0).item()  # noqa: E731
-    te_cosine = cosine(_replay_gradients(fp8, prompt, responses), _replay_gradients(bf16, prompt, responses))
-    del bf16, fp8, te_params
+    te_fp8, te_bf16 = _replay_gradients(fp8, prompt, responses), _replay_gradients(bf16, prompt, responses)
+    te_cosine, loss_error = cosine(te_fp8, te_bf16), abs(te_fp8[0] - te_bf16[0]) / abs(te_bf16[0])
+    del bf16, fp8, te_params, te_fp8, te_bf16
     reference = _replay_gradients(local, prompt, responses)
     with emulated_fp8_linears(local, recipe):
         emulated_cosine = cosine(_replay_gradients(local, prompt, responses), reference)
-    record_property("te_vs_emulated_cosine", f"{te_cosine:.4f},{emulated_cosine:.4f}")
-    assert te_cosine >= emulated_cosine - 0.05, (te_cosine, emulated_cosine)
+    record_property("te_vs_emulated_cosine_loss_rel_err", f"{te_cosine:.4f},{emulated_cosine:.4f},{loss_error:.2e}")
+    assert te_cosine >= emulated_cosine - 0.05 and loss_error <= 0.01, (te_cosine, emulated_cosine, loss_error)
 
 
-@pytest.mark.parametrize("zero_centered_gamma", [False, True])
+def _exact_layer(x, weight, gamma, zero_centered_gamma, eps, fp8: bool):
+    """What a TE linear (``gamma`` None) or RMSNorm + linear computes, in fp32 from ``x``'s and
+    the parameters' values: exactly, or (``fp8``) as the ideal FP8 GEMM of the hybrid format
+    (``testing/fp8_emulation``: E4M3 input and weight, E5M2 output gradient, one scale each)."""
+    from megatron_longstraw.testing.fp8_emulation import emulated_fp8_matmul
+
+    x = x.detach().float().requires_grad_()
+    w = weight.detach().float().requires_grad_()
+    g = None if gamma is None else gamma.detach().float().requires_grad_()
+    h = x
+    if g is not None:
+        h = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * ((1 + g) if zero_centered_gamma else g)
+    y = emulated_fp8_matmul(h, w) if fp8 else h @ w.t()
+    return y, [x, w] + ([] if g is None else [g])
+
+
+@pytest.mark.parametrize("layer_kind", ["linear", "norm_linear", "norm_linear_zero_centered"])
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
-def test_te_norm_linear_fp8_gradients_track_bf16(recipe, zero_centered_gamma, record_property):
-    """TE's fused RMSNorm + linear alone (what the TE spec puts before Qwen3.5's projections,
-    with Qwen's zero-centered norm weight as one case), FP8 hybrid against bf16 on the same
-    input and output gradient: the output, the input gradient, the weight gradient and the norm
-    weight's gradient each at cosine >= 0.99. Narrows down where the FP8 replay's gradients part
-    from bf16's (``test_fp8_replay_tracks_bf16_on_qwen_0_8b_at_32k``)."""
+def test_te_fp8_layer_is_as_accurate_as_its_emulation(recipe, layer_kind, record_property):
+    """Each kind of TE layer the TE spec runs in FP8, alone: ``te.Linear`` (the output
+    projections) and the fused RMSNorm + linear ``te.LayerNormLinear`` (the input projections;
+    Qwen3.5's zero-centered norm weight as one case), FP8 hybrid. Its output, input gradient,
+    weight gradient (and norm weight gradient) against the exact fp32 layer on the same values
+    must be no further than the ideal FP8 emulation's, within 1.2x (and the bf16 TE layer's
+    error, the floor, is printed beside them). A TE defect of its own (a scale left at 1.0,
+    a flushed gradient, a stale FP8 weight) lands far above the emulation."""
     import transformer_engine.pytorch as te
     from transformer_engine.common import recipe as te_recipe
 
     torch.manual_seed(0)
-    layer = te.LayerNormLinear(1024, 4096, bias=False, normalization="RMSNorm",
-                               zero_centered_gamma=zero_centered_gamma, params_dtype=BF16, device="cuda")
-    with torch.no_grad():
-        layer.layer_norm_weight.normal_(0.0 if zero_centered_gamma else 1.0, 0.1)
-    x = torch.randn(8192, 1024, device="cuda", dtype=BF16, requires_grad=True)
-    dy = torch.randn(8192, 4096, device="cuda", dtype=BF16) * 1e-4  # a loss normalized over many tokens
+    eps, zero_centered = 1e-6, layer_kind == "norm_linear_zero_centered"
+    if layer_kind == "linear":
+        layer = te.Linear(4096, 1024, bias=False, params_dtype=BF16, device="cuda")
+        x = torch.randn(8192, 4096, device="cuda", dtype=BF16)
+        gamma = None
+    else:
+        layer = te.LayerNormLinear(1024, 4096, bias=False, normalization="RMSNorm", eps=eps,
+                                   zero_centered_gamma=zero_centered, params_dtype=BF16, device="cuda")
+        with torch.no_grad():
+            layer.layer_norm_weight.normal_(0.0 if zero_centered else 1.0, 0.1)
+        gamma = layer.layer_norm_weight
+        x = torch.randn(8192, 1024, device="cuda", dtype=BF16)
+    x.requires_grad_()
+    dy = torch.randn(8192, layer.weight.shape[0], device="cuda", dtype=BF16) * 1e-4  # a loss normalized over many tokens
     fp8_recipe = (te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID) if recipe == "delayed"
                   else te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID))
 
-    def run(fp8: bool):
+    def run_te(fp8: bool):
         layer.zero_grad(set_to_none=True)
         x.grad = None
         with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe if fp8 else None):
             y = layer(x)
         y.backward(dy)
-        return [t.detach().float().flatten() for t in (y, x.grad, layer.weight.grad, layer.layer_norm_weight.grad)]
+        return [t.detach().float() for t in [y, x.grad, layer.weight.grad]
+                + ([] if gamma is None else [gamma.grad])]
 
-    reference = run(False)
-    for _ in range(3):  # delayed scaling: the third pass runs on amax histories of real values
-        measured = run(True)
-    cosines = [torch.nn.functional.cosine_similarity(a, b, dim=0).item() for a, b in zip(measured, reference)]
-    record_property("cosine_y_dx_dw_dgamma", ",".join(f"{c:.4f}" for c in cosines))
-    assert min(cosines) >= 0.99, cosines
+    def run_exact(fp8: bool):
+        y, leaves = _exact_layer(x, layer.weight, gamma, zero_centered, eps, fp8)
+        y.backward(dy.float())
+        return [y.detach()] + [t.grad for t in leaves]
+
+    truth, emulated = run_exact(False), run_exact(True)
+    te_bf16 = run_te(False)
+    for _ in range(3):  # delayed scaling: the third pass casts with amaxes of these very tensors
+        te_fp8 = run_te(True)
+    names = ["y", "dx", "dw", "dgamma"][:len(truth)]
+    errors = {name: (_rel(a, t), _rel(b, t), _rel(c, t))
+              for name, a, b, c, t in zip(names, te_fp8, emulated, te_bf16, truth)}
+    record_property("rel_err_te_fp8_emulated_te_bf16", "; ".join(
+        f"{n} {a:.2e},{b:.2e},{c:.2e}" for n, (a, b, c) in errors.items()))
+    assert all(a <= 1.2 * b for a, b, _ in errors.values()), errors
+
 
 def test_unsupported_fp8_recipe_names_the_flags(single_process):
     """MXFP8 needs Blackwell (compute capability 10): on Hopper the model build refuses it with
