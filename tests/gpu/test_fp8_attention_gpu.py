@@ -67,7 +67,9 @@ def test_cudnn_kernel_is_as_accurate_as_its_emulation(causal, queries, keys, rec
 def _exact_capture_attention(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD, prefix_v_SBGD, key_block=131072,
                              query_block=4096):
     """The capture chunk's attention (queries over every page and causally over the chunk) in
-    fp32 without TF32, by blocks of queries and keys with an online softmax: the reference."""
+    fp32 without TF32, by blocks of queries and keys with an online softmax: the reference. Its
+    own loop, not ``partials.merge_partials``, which the code under test merges with; and not
+    ``prefix_causal_attention_math``, whose scores of 32K queries over 1M keys do not fit."""
     seq, _, heads, dim = q_SBHD.shape
     keys_TGD = torch.cat([prefix_k_SBGD, k_SBGD])[:, 0]
     values_TGD = torch.cat([prefix_v_SBGD, v_SBGD])[:, 0]

@@ -209,9 +209,7 @@ def _exact_layer(x, weight, gamma, zero_centered_gamma, eps, fp8: bool):
     x = x.detach().float().requires_grad_()
     w = weight.detach().float().requires_grad_()
     g = None if gamma is None else gamma.detach().float().requires_grad_()
-    h = x
-    if g is not None:
-        h = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * ((1 + g) if zero_centered_gamma else g)
+    h = x if g is None else torch.nn.functional.rms_norm(x, x.shape[-1:], (1 + g) if zero_centered_gamma else g, eps)
     y = emulated_fp8_matmul(h, w) if fp8 else h @ w.t()
     return y, [x, w] + ([] if g is None else [g])
 
