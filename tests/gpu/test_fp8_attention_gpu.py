@@ -10,6 +10,7 @@ import torch
 
 from megatron_longstraw.attention import fp8_capture_attention as fp8
 from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_sdpa_fp8
 
 
@@ -113,7 +114,7 @@ def test_capture_attention_over_long_prompts_is_as_accurate_as_its_emulation(que
     kernel (its first 1,024 queries, against their exact attention). The values share a common
     direction, as a model's do, so the output sits near their mean: an error that rescales or
     mixes the blocks' partials shows at once. The kernel's error must be FP8's own: at most 1.1x
-    the emulation's."""
+    the emulation's (the bf16 capture attention's error is recorded beside them)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     common = torch.randn(1, 1, 2, 256, device="cuda", generator=gen)
     q = torch.randn(queries, 1, 8, 256, device="cuda", generator=gen).bfloat16()
@@ -125,13 +126,15 @@ def test_capture_attention_over_long_prompts_is_as_accurate_as_its_emulation(que
     def rel(got, want):
         return ((got.float() - want).norm() / want.norm()).item()
 
-    got = fp8.fp8_capture_attention(q, k, v, pk, pv, options=options)
-    kernel_err = rel(got, _exact_capture_attention(q, k, v, pk, pv))
-    del got
+    exact = _exact_capture_attention(q, k, v, pk, pv)
+    kernel_err = rel(fp8.fp8_capture_attention(q, k, v, pk, pv, options=options), exact)
+    with torch.no_grad():  # the bf16 capture attention beside it, for the record
+        bf16_err = rel(prefix_causal_attention(q, k, v, pk, pv, options=options), exact)
+    del exact
     few = min(queries, 1024)
     emulated = fp8.fp8_capture_attention(q[:few], k[:few], v[:few], pk, pv, options=options, kernel=emulated_sdpa_fp8)
     emulation_err = rel(emulated, _exact_capture_attention(q[:few], k[:few], v[:few], pk, pv))
-    record_property("kernel_emulation_rel_err", f"{kernel_err:.3e},{emulation_err:.3e}")
+    record_property("kernel_emulation_bf16_rel_err", f"{kernel_err:.3e},{emulation_err:.3e},{bf16_err:.3e}")
     assert 0 < emulation_err < 0.1, emulation_err
     assert kernel_err <= 1.1 * emulation_err, (kernel_err, emulation_err)
 
