@@ -22,6 +22,18 @@ is the only rounding:
   ``V``'s scale leaves that room. Hopper's kernel writes ``O`` in E4M3, dequantized here (fp32)
   before the merge.
 
+Values are centred. Each call subtracts from its block of ``V`` the block's mean value per KV
+head (``mu``, rounded to ``V``'s dtype), casts ``V - mu`` to E4M3 and adds ``mu`` back to the
+dequantized output. In exact arithmetic that changes nothing, since every row's weights sum to
+one: ``sum_j p_j (v_j - mu) + mu = sum_j p_j v_j``. On Hopper it is what makes the kernel
+accurate: its ``P V`` accumulation loses precision in proportion to the accumulated output, so
+values sharing a direction (a model's do: the output sits near their mean) come out shrunk by
+an error that grows with the key count, while zero-mean values come out as accurate as FP8
+rounding allows (``docs/transformer_engine.md`` has the measurements). Centred, the accumulated
+sum is zero-mean whatever the values; the mean itself is added in fp32, and the rounding of the
+probabilities no longer scales it either (the uncentred output carries ``mu`` times the rounded
+row sum over the exact one).
+
 The K/V pages stay bf16 in the prompt state; each call casts its block of them to E4M3 (a
 transient of one byte per element of the block). Replay, decoding and the prompt backward keep
 their bf16 attention. ``testing/fp8_attention_emulation.py`` emulates these numerics on any
@@ -35,7 +47,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_longstraw.attention.kernel_options import KernelOptions
-from megatron_longstraw.attention.partials import default_scale, merge_partials
+from megatron_longstraw.attention.partials import default_scale, expand_groups, merge_partials
 
 FLAG = "--fp8-attention capture"
 E4M3_MAX = 448.0
@@ -55,9 +67,11 @@ def pow2_scale(amax_X: torch.Tensor, fp8_max: float = E4M3_MAX) -> torch.Tensor:
 
 def cast_fp8(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x * scale in fp8_dtype, 1 / scale)`` with ``scale = pow2_scale(amax(x))`` as a
-    one-element fp32 tensor (``[1, 1, 1, 1]``, the kernel's scalar layout)."""
+    one-element fp32 tensor (``[1, 1, 1, 1]``, the kernel's scalar layout). The cast is written
+    contiguous whatever ``x``'s strides (a permuted ``[b, heads, s, d]`` view of the pages comes
+    out ``[b, heads, s, d]`` in memory): the layout cuDNN's FP8 kernel is verified on."""
     scale = pow2_scale(x.detach().abs().amax())
-    return (x * scale.to(x.dtype)).to(fp8_dtype), (1.0 / scale).reshape(1, 1, 1, 1)
+    return (x * scale.to(x.dtype)).to(fp8_dtype, memory_format=torch.contiguous_format), (1.0 / scale).reshape(1, 1, 1, 1)
 
 
 def check_supported(head_dims, device: torch.device) -> None:
@@ -165,14 +179,17 @@ Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def _part(kernel: Kernel, q8, descale_q, k_BGTD, v_BGTD, attn_scale, causal, fp8_dtype):
     """One call: ``(out [b, h, s, d_v], lse [b, h, s])`` in fp32 of the E4M3 queries over
-    ``k/v`` (cast here, each with its own scale; ``O`` at ``V``'s)."""
+    ``k/v`` (cast here, each with its own scale; ``V`` centred on its mean per KV head, which is
+    added back to the output; ``O`` at the centred ``V``'s scale)."""
+    compute = torch.promote_types(v_BGTD.dtype, torch.float32)  # fp64: the exact-cast tests
     k8, descale_k = cast_fp8(k_BGTD, fp8_dtype)
-    v8, descale_v = cast_fp8(v_BGTD, fp8_dtype)
+    mean_BG1D = v_BGTD.mean(dim=2, keepdim=True, dtype=compute).to(v_BGTD.dtype)
+    v8, descale_v = cast_fp8(v_BGTD - mean_BG1D, fp8_dtype)
     scale_s = torch.full((1, 1, 1, 1), P_SCALE, dtype=torch.float32, device=q8.device)
     scale_o = 0.5 / descale_v  # |O| <= amax(V) up to P's rounding: one binade of headroom
     out8, lse = kernel(q8, k8, v8, descale_q, descale_k, descale_v, scale_s, scale_o, attn_scale, causal)
-    compute = torch.float64 if out8.dtype == torch.float64 else torch.float32  # fp64: the exact-cast tests
-    return out8.to(compute) / scale_o.to(compute), lse.to(compute)
+    out_BHSD = out8.to(compute) / scale_o.to(compute) + expand_groups(mean_BG1D.to(compute), q8.shape[1])
+    return out_BHSD, lse.to(compute)
 
 
 def fp8_capture_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: torch.Tensor,
