@@ -45,7 +45,8 @@ from fp8_sensitivity import compare
 PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (../shared/offline-gpu/README.md)
 
 
-def _lengths(text: str, flag: str) -> list[int]:
+def comma_lengths(text: str, flag: str) -> list[int]:
+    """The positive token counts of a comma-separated flag value; ``ValueError`` naming the flag."""
     try:
         values = [int(x) for x in text.split(",") if x]
     except ValueError as err:
@@ -77,8 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", default="docs/bench", help="folder for the JSON and Markdown results")
     p.add_argument("--tag", default="", help="suffix for the output file names")
     args = p.parse_args(argv)
-    args.prompt_lengths = _lengths(args.prompt_lengths, "--prompt-lengths")
-    args.emulation_prompt_lengths = _lengths(args.emulation_prompt_lengths, "--emulation-prompt-lengths")
+    args.prompt_lengths = comma_lengths(args.prompt_lengths, "--prompt-lengths")
+    args.emulation_prompt_lengths = comma_lengths(args.emulation_prompt_lengths, "--emulation-prompt-lengths")
     if not args.prompt_lengths:
         raise ValueError("--prompt-lengths: give at least one length")
     for flag in ("prompt_chunk_size", "emulation_chunk_size", "response_length", "num_generations"):

@@ -33,21 +33,12 @@ from megatron_longstraw.attention.partials import expand_groups
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
 from megatron_longstraw.testing.exact_attention import exact_chunk_attention
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_sdpa_fp8
-from bench_output import write_bench_files  # tools/, beside this script
+from bench_fp8_attention import comma_lengths  # tools/, beside this script
+from bench_output import write_bench_files
 
 LAYOUTS = ("bhsd", "bshd")
 VALUES = ("zero-mean", "common")
 CENTRES = ("none", "mean")
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError as err:
-        raise ValueError(f"{flag} {text!r}: give comma-separated integers") from err
-    if any(v < 1 for v in values):
-        raise ValueError(f"{flag} {text!r}: every value must be >= 1")
-    return values
 
 
 def _names(text: str, flag: str, allowed) -> list[str]:
@@ -79,11 +70,11 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", default="docs/bench", help="folder for the JSON and Markdown results")
     p.add_argument("--tag", default="", help="suffix for the output file names")
     args = p.parse_args(argv)
-    args.queries = _ints(args.queries, "--queries")
-    args.keys = _ints(args.keys, "--keys")
-    args.pages = _ints(args.pages, "--pages")
-    args.chunk_queries = _ints(args.chunk_queries, "--chunk-queries")
-    args.prefix_blocks = _ints(args.prefix_blocks, "--prefix-blocks")
+    args.queries = comma_lengths(args.queries, "--queries")
+    args.keys = comma_lengths(args.keys, "--keys")
+    args.pages = comma_lengths(args.pages, "--pages")
+    args.chunk_queries = comma_lengths(args.chunk_queries, "--chunk-queries")
+    args.prefix_blocks = comma_lengths(args.prefix_blocks, "--prefix-blocks")
     args.layouts = _names(args.layouts, "--layouts", LAYOUTS)
     args.values = _names(args.values, "--values", VALUES)
     args.centres = _names(args.centres, "--centres", CENTRES)
