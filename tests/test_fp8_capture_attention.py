@@ -55,34 +55,6 @@ def test_e4m3_numerics_on_the_emulated_kernel():
     assert got.dtype == torch.bfloat16 and 0.01 < error < 0.1, error
 
 
-def _truncate(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``x`` with its mantissa truncated to ``bits`` bits (toward zero)."""
-    mantissa, exponent = torch.frexp(x)
-    return torch.ldexp(torch.trunc(mantissa * 2 ** bits) / 2 ** bits, exponent)
-
-
-def _coarse_accumulator_sdpa_fp8(q8, k8, v8, descale_q, descale_k, descale_v, scale_s, scale_o, attn_scale, causal,
-                                 tile=64, bits=10):
-    """``emulated_sdpa_fp8`` whose ``P V`` accumulates over key tiles into a sum truncated to
-    ``bits`` mantissa bits after every tile: a model of an accumulator whose precision is
-    relative to the accumulated output, as Hopper's FP8 kernel behaves."""
-    heads = q8.shape[1]
-    q = q8.float() * descale_q
-    k = expand_groups(k8.float() * descale_k, heads)
-    v = expand_groups(v8.float() * descale_v, heads)
-    scores = (q @ k.transpose(-1, -2)) * attn_scale
-    if causal:
-        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    probs = (scores - top).exp()
-    rowsum = probs.sum(-1, keepdim=True)
-    probs8 = (probs * scale_s).to(q8.dtype).float() / scale_s
-    acc = torch.zeros(*q.shape[:3], v.shape[-1])
-    for start in range(0, k.shape[2], tile):
-        acc = _truncate(acc + probs8[..., start:start + tile] @ v[:, :, start:start + tile], bits)
-    return (acc / rowsum * scale_o).to(q8.dtype), (top + rowsum.log())[..., 0]
-
-
 def test_centred_values_keep_a_coarse_accumulator_accurate():
     """Values sharing a direction over 8,192 pages: a kernel whose ``P V`` sum loses precision
     relative to itself is far off when called on the values as they are, and the capture
@@ -97,6 +69,8 @@ def test_centred_values_keep_a_coarse_accumulator_accurate():
     q_BHSD, pk_BHPD, pv_BHPD = (expand_groups(t.double().permute(1, 2, 0, 3), 4) for t in (q, pk, pv))
     want_BHSD = torch.softmax(q_BHSD @ pk_BHPD.transpose(-1, -2) * 32 ** -0.5, -1) @ pv_BHPD  # every page visible
 
+    coarse_kernel = functools.partial(emulated_sdpa_fp8, accumulator_bits=10)  # sum truncated every 64 keys
+
     def rel(got, want):
         return ((got.double() - want).norm() / want.norm()).item()
 
@@ -106,13 +80,13 @@ def test_centred_values_keep_a_coarse_accumulator_accurate():
     scale_s = torch.full((1, 1, 1, 1), fp8.P_SCALE)
     scale_o = 0.5 / descale_v
     kernel_args = (q8, k8, v8, descale_q, descale_k, descale_v, scale_s, scale_o, 32 ** -0.5, False)
-    coarse_plain = rel(_coarse_accumulator_sdpa_fp8(*kernel_args)[0].double() / scale_o.double(), want_BHSD)
+    coarse_plain = rel(coarse_kernel(*kernel_args)[0].double() / scale_o.double(), want_BHSD)
     exact_plain = rel(emulated_sdpa_fp8(*kernel_args)[0].double() / scale_o.double(), want_BHSD)
     # the capture attention (values centred per call) on both kernels
     want = prefix_causal_attention_math(*(t.double() for t in (q, k, v, pk, pv)))
     options = KernelOptions(prefix_block=pages)
     coarse_centred = rel(fp8.fp8_capture_attention(q, k, v, pk, pv, None, options,
-                                                   kernel=_coarse_accumulator_sdpa_fp8), want)
+                                                   kernel=coarse_kernel), want)
     exact_centred = rel(fp8.fp8_capture_attention(q, k, v, pk, pv, None, options, kernel=emulated_sdpa_fp8), want)
     assert coarse_plain > 1.5 * exact_plain, (coarse_plain, exact_plain)  # the accumulator's loss shows
     assert coarse_centred < 1.1 * exact_centred < 0.5 * exact_plain, (coarse_centred, exact_centred, exact_plain)

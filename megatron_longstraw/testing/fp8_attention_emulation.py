@@ -66,14 +66,26 @@ def fp8_prefix_attention(q_SBHD: torch.Tensor, k_SBGD: torch.Tensor, v_SBGD: tor
     return out_BHSD.permute(2, 0, 1, 3).to(q_SBHD.dtype)
 
 
+def _truncate(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` with its mantissa truncated to ``bits`` bits (toward zero)."""
+    mantissa, exponent = torch.frexp(x)
+    return torch.ldexp(torch.trunc(mantissa * 2 ** bits) / 2 ** bits, exponent)
+
+
 def emulated_sdpa_fp8(q8, k8, v8, descale_q, descale_k, descale_v, scale_s, scale_o, attn_scale: float,
-                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      causal: bool, accumulator_bits: Optional[int] = None,
+                      accumulator_tile: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN's ``sdpa_fp8`` forward emulated in torch, with the interface of
     ``attention/fp8_capture_attention.py``'s ``cudnn_sdpa_fp8`` (the orchestration's kernel on a
     CPU): the inputs dequantized by their descales, exact fp32 (fp64) products, the unnormalized
     probabilities cast at ``scale_s`` into the inputs' dtype and the row sums taken before the
     cast, the output cast at ``scale_o``; returns ``(O [b, h, s, d_v] in the inputs' dtype,
-    lse [b, h, s])``. With an fp64 "FP8 dtype" every cast is exact: plain attention."""
+    lse [b, h, s])``. With an fp64 "FP8 dtype" every cast is exact: plain attention.
+
+    ``accumulator_bits``, when given, models a coarse ``P V`` accumulator instead of an exact one:
+    the sum runs over tiles of ``accumulator_tile`` keys and is truncated to that many mantissa
+    bits after every tile, so its precision is relative to the accumulated output (as Hopper's
+    FP8 kernel behaves; see ``fp8_capture_attention``'s centring)."""
     compute = torch.float64 if q8.dtype == torch.float64 else torch.float32
     heads = q8.shape[1]
     q = q8.to(compute) * descale_q.to(compute)
@@ -87,7 +99,14 @@ def emulated_sdpa_fp8(q8, k8, v8, descale_q, descale_k, descale_v, scale_s, scal
     probs = (scores - top).exp()
     rowsum = probs.sum(-1, keepdim=True)
     probs8 = (probs * scale_s.to(compute)).to(q8.dtype).to(compute) / scale_s.to(compute)
-    out = (probs8 @ v) / rowsum
+    if accumulator_bits is None:
+        acc = probs8 @ v
+    else:
+        acc = torch.zeros(*q.shape[:3], v.shape[-1], dtype=compute, device=q.device)
+        for start in range(0, k.shape[2], accumulator_tile):
+            end = start + accumulator_tile
+            acc = _truncate(acc + probs8[..., start:end] @ v[:, :, start:end], accumulator_bits)
+    out = acc / rowsum
     return (out * scale_o.to(compute)).to(q8.dtype), (top + rowsum.log())[..., 0]
 
 
