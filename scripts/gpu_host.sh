@@ -98,6 +98,13 @@ save_cache() {
 # every verb but install-a: second wheel folder if carried, import paths, the kernel cache on exit
 prepare() {
   trap save_cache EXIT
+  # one cuDNN per process: torch's bundled one, also for Transformer Engine, which loads CUDNN_HOME's
+  # or else the loader's (a system cuDNN beside torch's breaks cuDNN's FP8 attention)
+  local cudnn_dir
+  cudnn_dir=$(python3 -c "import nvidia.cudnn as m; print(list(m.__path__)[0])" 2>/dev/null || true)
+  if [ -n "$cudnn_dir" ] && [ -d "$cudnn_dir/lib" ]; then
+    export CUDNN_HOME=$cudnn_dir LD_LIBRARY_PATH=$cudnn_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
   if [ -d .whl-b ] && [ ! -f $site/.installed-.whl-b ]; then install .whl-b; fi
   export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   if [ -d /tmp/te-site ]; then export PYTHONPATH=/tmp/te-site:$PYTHONPATH; fi

@@ -134,3 +134,31 @@ def test_the_flag_is_refused_where_it_cannot_run(single_process):
     q = torch.zeros(4, 2, 2, 16)
     with pytest.raises(ValueError, match=r"^--fp8-attention capture captures one prompt at a time"):
         fp8.fp8_capture_attention(q, q[:, :, :1], q[:, :, :1], kernel=emulated_sdpa_fp8)
+
+
+TORCH_CUDNN = "/opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib"
+MAPS = f"""\
+7f0000000000-7f0000001000 r-xp 00000000 08:01 11 {TORCH_CUDNN}/libcudnn.so.9
+7f0000001000-7f0000002000 r--p 00001000 08:01 11 {TORCH_CUDNN}/libcudnn.so.9
+7f0000002000-7f0000003000 r-xp 00000000 08:01 12 {TORCH_CUDNN}/libcudnn_graph.so.9
+7f0000003000-7f0000004000 r-xp 00000000 08:01 13 /opt/venv/lib/python3.12/site-packages/nvidia/cuda_runtime/lib/libcudart.so.13
+7f0000004000-7f0000005000 rw-p 00000000 00:00 0
+7f0000005000-7f0000006000 r-xp 00000000 08:01 14 /usr/lib/x86_64-linux-gnu/libc.so.6
+"""
+SYSTEM_CUDNN = "7f0000006000-7f0000007000 r-xp 00000000 08:01 15 /usr/lib/x86_64-linux-gnu/libcudnn_heuristic.so.9.14.0\n"
+
+
+def test_two_cudnn_folders_in_one_process_are_refused(tmp_path):
+    """The folders of the cuDNN libraries a process maps (other libraries and anonymous maps
+    ignored); one folder passes, a second one (a system cuDNN beside torch's) is refused in one
+    line naming the flag and both folders."""
+    assert fp8.cudnn_library_folders(MAPS) == [TORCH_CUDNN]
+    assert fp8.cudnn_library_folders(MAPS + SYSTEM_CUDNN) == [TORCH_CUDNN, "/usr/lib/x86_64-linux-gnu"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.write_text(MAPS)
+    two.write_text(MAPS + SYSTEM_CUDNN)
+    fp8.check_one_cudnn(str(one))
+    fp8.check_one_cudnn(str(tmp_path / "absent"))  # no maps to read: nothing to check
+    with pytest.raises(ValueError, match=r"^--fp8-attention capture: this process has cuDNN libraries from 2 "
+                                         r"folders \(/opt/venv/.*/nvidia/cudnn/lib, /usr/lib/x86_64-linux-gnu\)"):
+        fp8.check_one_cudnn(str(two))

@@ -38,9 +38,13 @@ The K/V pages stay bf16 in the prompt state; each call casts its block of them t
 transient of one byte per element of the block). Replay, decoding and the prompt backward keep
 their bf16 attention. ``testing/fp8_attention_emulation.py`` emulates these numerics on any
 machine (its ``emulated_sdpa_fp8`` is the kernel's reference); without context parallelism only.
+
+One cuDNN per process: where Transformer Engine has loaded a second cuDNN beside torch's (a
+system one), the kernel's output is wrong, so that is refused (``check_one_cudnn``).
 """
 
 import importlib
+import os
 from collections import OrderedDict
 from typing import Callable, Optional
 
@@ -74,9 +78,41 @@ def cast_fp8(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> t
     return (x * scale.to(x.dtype)).to(fp8_dtype, memory_format=torch.contiguous_format), (1.0 / scale).reshape(1, 1, 1, 1)
 
 
+def cudnn_library_folders(maps_text: str) -> list[str]:
+    """The folders of the cuDNN libraries (``libcudnn*.so*``) a process has mapped, from the text
+    of its ``/proc/self/maps`` (sorted)."""
+    folders = set()
+    for line in maps_text.splitlines():
+        fields = line.split(maxsplit=5)
+        name = os.path.basename(fields[5]) if len(fields) == 6 else ""
+        if name.startswith("libcudnn") and ".so" in name:
+            folders.add(os.path.dirname(fields[5]))
+    return sorted(folders)
+
+
+def check_one_cudnn(maps_path: str = "/proc/self/maps") -> None:
+    """``ValueError`` naming the flag where this process has cuDNN libraries from more than one
+    folder. Importing Transformer Engine (Megatron does whenever it is installed) loads the cuDNN
+    it finds first, ``CUDNN_HOME`` or else the loader's: on a host with a system cuDNN beside the
+    one bundled with torch, two versions then share the process, and cuDNN's FP8 attention comes
+    out wrong (a chunk over a million pages 7.8-9.2% off exact attention, varying run to run, where
+    FP8's own error is 0.16%; ``docs/transformer_engine.md``).
+    Nothing is checked where the maps cannot be read (not Linux)."""
+    try:
+        with open(maps_path) as maps:
+            folders = cudnn_library_folders(maps.read())
+    except OSError:
+        return
+    if len(folders) > 1:
+        raise ValueError(f"{FLAG}: this process has cuDNN libraries from {len(folders)} folders "
+                         f"({', '.join(folders)}), and cuDNN's FP8 attention is wrong with two cuDNNs; start it "
+                         f"with torch's cuDNN folder first on LD_LIBRARY_PATH and CUDNN_HOME set to its parent")
+
+
 def check_supported(head_dims, device: torch.device) -> None:
     """``ValueError`` naming the flag where cuDNN's FP8 attention cannot run: no CUDA GPU, not
-    Hopper (compute capability 9.0), no cuDNN frontend, or a head dim it does not take."""
+    Hopper (compute capability 9.0), no cuDNN frontend, a head dim it does not take, or cuDNN
+    libraries from two folders in the process (``check_one_cudnn``)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError(f"{FLAG} needs a CUDA GPU (Hopper, compute capability 9.0); this process has none")
     major, minor = torch.cuda.get_device_capability(device)
@@ -91,6 +127,7 @@ def check_supported(head_dims, device: torch.device) -> None:
         if dim % 16 or not 16 <= dim <= 256:
             raise ValueError(f"{FLAG}: cuDNN's FP8 attention takes head dims that are multiples of 16 up to "
                              f"256, and this model's full attention has head dim {dim}")
+    check_one_cudnn()
 
 
 MAX_GRAPHS = 64
@@ -122,6 +159,7 @@ def _graph(q8, k8, v8, attn_scale: float, causal: bool):
     except Exception as err:  # cuDNN's errors are of its own types; an old frontend's a TypeError
         raise ValueError(f"{FLAG}: cuDNN cannot run FP8 attention of q {tuple(q8.shape)}, k {tuple(k8.shape)} "
                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from err
+    check_one_cudnn()  # building a graph loads cuDNN's engine libraries: from the same folder?
     _GRAPHS[key] = built
     while len(_GRAPHS) > MAX_GRAPHS:
         _GRAPHS.popitem(last=False)
