@@ -14,7 +14,8 @@
 # Adam states) is predicted to need about 548 GiB per GPU on this layout, so the trainer refuses
 # it at start-up on 32 H200s; at this prompt the planner fits it on 256 H200s (128 do not)
 # (CP 128, PP 2, EP 128): python tools/plan_budget.py --model glm-5 --num-gpus 256 \
-#     --prompt-length 2088960 --use-distributed-optimizer (docs/planning.md).
+#     --prompt-length 2088960 --num-generations 8 --global-batch-size 1 --use-distributed-optimizer
+#     (docs/planning.md).
 # What it reads and writes: examples/args/recipe.sh. Extra arguments go to train_grpo.py. A
 # relaunch resumes from CHECKPOINT_PATH.
 set -euo pipefail

@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
+from megatron_longstraw.config.parallel import ParallelSizes
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed
 from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config

@@ -9,53 +9,14 @@ import datetime
 import os
 import random
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from megatron_longstraw.config.parallel import ParallelSizes
 from megatron_longstraw.patches import apply_patches
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    """Model-parallel sizes; data parallelism is the world size divided by their product."""
-
-    tensor: int = 1
-    context: int = 1
-    expert: int = 1
-    pipeline: int = 1
-    virtual_pipeline: int = 1  # model chunks per pipeline rank (Megatron's interleaved schedule)
-
-    def validate(self, world_size: int) -> int:
-        """Check the sizes against ``world_size``; returns the data-parallel size."""
-        for flag, value in (
-            ("--tensor-model-parallel-size", self.tensor),
-            ("--context-parallel-size", self.context),
-            ("--expert-model-parallel-size", self.expert),
-            ("--pipeline-model-parallel-size", self.pipeline),
-            ("--num-virtual-stages-per-pipeline-rank", self.virtual_pipeline),
-        ):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        if self.virtual_pipeline > 1 and self.pipeline == 1:
-            raise ValueError(f"--num-virtual-stages-per-pipeline-rank {self.virtual_pipeline} needs "
-                             "--pipeline-model-parallel-size > 1")
-        dense = self.tensor * self.context * self.pipeline
-        if world_size % dense:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tensor ({self.tensor}) x context "
-                f"({self.context}) x pipeline ({self.pipeline}) parallel sizes = {dense}"
-            )
-        data = world_size // dense
-        if (data * self.context) % self.expert:
-            raise ValueError(
-                f"--expert-model-parallel-size {self.expert} must divide data x context parallel "
-                f"size {data * self.context} (world size {world_size})"
-            )
-        return data
 
 
 _OWN_ENV: dict[str, str] = {}  # rendezvous variables set by init_distributed, removed on destroy

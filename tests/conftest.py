@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def single_process():
     """Megatron parallel state with every size 1 (one process, gloo on CPU)."""
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import destroy_distributed, init_distributed
 
     init_distributed(ParallelSizes(), seed=1234)
     yield

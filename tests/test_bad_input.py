@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_longstraw.distributed import ParallelSizes, init_distributed
+from megatron_longstraw.config.parallel import ParallelSizes
+from megatron_longstraw.distributed import init_distributed
 from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.presets import PRESETS, resolve_hf_config
 from megatron_longstraw.models.registry import family_for

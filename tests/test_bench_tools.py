@@ -10,8 +10,8 @@ import torch
 
 from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter
 from megatron_longstraw.longstraw.cost_model import memory_floor_bytes
-from megatron_longstraw.models.qwen3_5 import capture_flops as qwen_prompt_flops
 from megatron_longstraw.models.presets import resolve_hf_config
+from megatron_longstraw.models.qwen3_5 import capture_flops as qwen_prompt_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +126,8 @@ def test_num_layers_keeps_the_first_layers_of_every_pattern():
 def test_glm_prompt_flops_terms():
     """Indexer scores grow with the square of the prompt; sparse MLA linearly once the prompt
     passes index_topk; routed experts count as num_experts_per_tok experts per token."""
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import destroy_distributed, init_distributed
     from megatron_longstraw.models.flops import active_linear_weight_elements
     from megatron_longstraw.models.glm5 import capture_flops as glm_prompt_flops
     from megatron_longstraw.testing.parity import seeded_model
@@ -222,9 +223,9 @@ def test_memory_limit_is_checked_and_planned_for():
 def test_trainer_capture_mfu_covers_both_families(monkeypatch):
     """The trainer's capture MFU uses the family's FLOPs formula (GLM-5 too), a CP rank counting
     its 1/CP share; replay MFU stays Qwen3.5-only (no GLM replay formula)."""
-    from types import SimpleNamespace
 
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import destroy_distributed, init_distributed
     from megatron_longstraw.longstraw.cost_model import prompt_flops
     from megatron_longstraw.testing.parity import seeded_model
     from megatron_longstraw.training import metrics
@@ -238,7 +239,7 @@ def test_trainer_capture_mfu_covers_both_families(monkeypatch):
             model = seeded_model(hf)  # built before CUDA is faked (HF picks its kernels once)
             with monkeypatch.context() as patch:
                 patch.setattr(metrics.torch.cuda, "is_available", lambda: True)
-                out = metrics.throughput_metrics(hf, model, groups, times, SimpleNamespace(peak_tflops=1.0))
+                out = metrics.throughput_metrics(hf, model, groups, times, peak_tflops=1.0)
             want = (prompt_flops(hf, model, 100) + prompt_flops(hf, model, 60)) / 2.0 / 1e12
             assert abs(out["mfu/capture"] - want) <= 1e-12 * want
             assert ("mfu/replay" in out) == preset.startswith("qwen")

@@ -6,7 +6,7 @@ prompt, uneven prompts and chunks included; bad input. One spawn runs every case
 import pytest
 import torch
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
 from megatron_longstraw.testing.parity import assert_grads_match, random_tokens, seeded_model, value_error_text
@@ -83,7 +83,8 @@ def _gdn_shard_errors(model, group):
 def _cp_worker(hf):
     from megatron.core import parallel_state
 
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
     from megatron_longstraw.longstraw.capture import capture_prompt
     from megatron_longstraw.longstraw.full_graph import full_graph_logits
 

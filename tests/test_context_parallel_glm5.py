@@ -8,7 +8,7 @@ per-step top-k selections as CP=1 on both ranks. One spawn runs every case."""
 import pytest
 import torch
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
 from megatron_longstraw.testing.parity import assert_grads_match, random_tokens, seeded_model, value_error_text
@@ -28,10 +28,10 @@ TEMPERATURES = (0.0, 1.0)
 
 
 class _RecordTopk:
-    """Records every top-k the DSA indexers' ``method`` returns (``topk_after_prefix``: capture
-    chunks, then replay; ``topk_decode``: decode steps)."""
+    """Records every top-k the DSA indexers' ``method`` returns (``topk``, every mode's: capture
+    chunks, then replay; or decode steps)."""
 
-    def __init__(self, method: str = "topk_after_prefix"):
+    def __init__(self, method: str = "topk"):
         from megatron_longstraw.models.glm5_layers import LongStrawDSAIndexer
 
         self.cls, self.method, self.calls = LongStrawDSAIndexer, method, []
@@ -66,7 +66,7 @@ def _run_rollouts(hf, kernels, seed):
         case = {}
         for temperature in TEMPERATURES + ("eos",):
             eos = None if temperature != "eos" else int(case[1.0]["responses"][1][2])
-            with _RecordTopk("topk_decode") as topk:
+            with _RecordTopk() as topk:
                 result = generate_from_state(model, state, SAMPLES, NEW, temperature=1.0 if eos else temperature,
                                              eos_id=eos, generator=torch.Generator().manual_seed(seed),
                                              keep_logits=True)
@@ -110,7 +110,8 @@ def _reference(hf, kernels):
 def _cp_worker(hf, kernels):
     from megatron.core import parallel_state
 
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
     from megatron_longstraw.longstraw.capture import check_context_parallel_support
 
     torch.set_num_threads(1)  # two ranks on a small CPU

@@ -85,7 +85,8 @@ def test_mcore_to_hf_is_bit_identical_and_loads(converted):
 
 def _tp2_load_and_save(hf, load_dir, save_dir):
     from megatron_longstraw.checkpointing.model_checkpoint import save_model_checkpoint
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
 
     init_distributed(ParallelSizes(tensor=2))
     model = build_model(hf, ModelOptions(sequence_parallel=True))
@@ -242,7 +243,7 @@ def _load_under_layout(hf, load_dir, hf_state, sizes):
 
 def test_converted_checkpoint_loads_under_expert_parallelism(converted):
     """GLM-5: EP=2 ranks each load their own experts (and the router bias) exactly."""
-    from megatron_longstraw.distributed import ParallelSizes
+    from megatron_longstraw.config.parallel import ParallelSizes
 
     hf, hf_model, root = converted
     if hf["model_type"] != "glm_moe_dsa":
@@ -256,7 +257,8 @@ def _load_under_pipeline(hf, load_dir, hf_state):
     """PP=2: each stage's weights from the checkpoint vs the HF mapping at global layer numbers."""
     import re
 
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
     from megatron_longstraw.models.pipeline_stage import local_layer_ids
     from megatron_longstraw.models.registry import family_for
 

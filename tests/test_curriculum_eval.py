@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 import train_grpo
+from megatron_longstraw.config.data import PromptLengthSchedule
 from megatron_longstraw.distributed import destroy_distributed, init_distributed
 from megatron_longstraw.training import loop
-from megatron_longstraw.training.curriculum import PromptLengthSchedule
+from megatron_longstraw.training.startup import resume_path
 
 
 def test_schedule_stages_by_step():
@@ -49,7 +50,7 @@ def test_bad_flags_are_refused(tmp_path, extra, needle):
 
 def test_a_schedule_stage_too_short_for_the_task_is_refused_at_start_up(tmp_path):
     args = train_grpo.parse_args(_args(tmp_path, "--prompt-length-schedule", "6:2,64"))
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         with pytest.raises(ValueError, match="--prompt-length-schedule: synthetic task: prompt_length 6 is too short"):
             loop.train(args)
@@ -61,7 +62,7 @@ def test_a_run_follows_its_schedule_and_evaluates_held_out_prompts(tmp_path):
     args = train_grpo.parse_args(_args(tmp_path, "--prompt-length-schedule", "40:2,64", "--eval-interval", "2",
                                        "--eval-prompts", "2", "--eval-prompt-lengths", "40,64",
                                        "--wandb-mode", "offline"))
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         loop.train(args)
     finally:
@@ -98,7 +99,7 @@ def test_skip_train_evaluates_a_checkpoint_and_writes_no_metrics_row(tmp_path, c
     argv[argv.index("--train-iters") + 1] = "2"
     argv += ["--save", str(tmp_path / "ckpt")]
     args = train_grpo.parse_args(argv)
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         loop.train(args)
     finally:
@@ -106,8 +107,8 @@ def test_skip_train_evaluates_a_checkpoint_and_writes_no_metrics_row(tmp_path, c
     metrics = (tmp_path / "wandb" / "metrics.jsonl").read_text()
     capsys.readouterr()
     args = train_grpo.parse_args(argv + ["--skip-train", "--eval-prompts", "2", "--eval-prompt-lengths", "40,64"])
-    assert args.load == str(tmp_path / "ckpt")  # the newest checkpoint in --save
-    init_distributed(args.parallel, seed=args.seed)
+    assert resume_path(args) == str(tmp_path / "ckpt")  # the newest checkpoint in --save
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         figures, _ = loop.train(args)
     finally:

@@ -3,7 +3,6 @@ rollouts; every error names file and line; resumed positions continue exactly.""
 
 import json
 import re
-from argparse import Namespace
 
 import pytest
 import torch
@@ -41,7 +40,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok(hf_dir):
-    return build_tokenizer(Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(hf_dir)))
+    return build_tokenizer("HuggingFaceTokenizer", str(hf_dir))
 
 
 def _write_jsonl(path, lines):
@@ -62,13 +61,13 @@ def test_huggingface_tokenizer_through_megatron(tok, hf_dir):
     assert tok.tokenize("hello world", add_special_tokens=False) == ids[1:]
     assert tok.detokenize(ids[1:] + [tok.eos_id]) == "hello world <eos>"
     assert tok.detokenize(torch.tensor(ids + [tok.eos_id]), skip_special_tokens=True) == "hello world"
-    by_file = build_tokenizer(dict(tokenizer_type="HuggingFaceTokenizer",
+    by_file = build_tokenizer(**dict(tokenizer_type="HuggingFaceTokenizer",
                                    tokenizer_model=str(hf_dir / "tokenizer.json")))
     assert by_file.tokenize("hello world") == ids
 
 
 def test_null_tokenizer_through_megatron():
-    null = build_tokenizer(Namespace(tokenizer_type="NullTokenizer", tokenizer_model=None, vocab_size=100))
+    null = build_tokenizer("NullTokenizer", vocab_size=100)
     assert (null.vocab_size, null.eos_id) == (100, 99)
     assert null.tokenize(" 1 2\n 3  4 ") == [1, 2, 3, 4] and null.tokenize("") == []
     assert null.detokenize([5, 6]) == "5 6"
@@ -86,16 +85,16 @@ def test_null_tokenizer_through_megatron():
 ])
 def test_tokenizer_flag_errors(args, message):
     with pytest.raises(ValueError, match=message):
-        build_tokenizer(args)
+        build_tokenizer(**args)
 
 
 def test_tokenizer_unusable_folder_and_missing_eos(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"--tokenizer-model .*/empty: cannot load a HuggingFaceTokenizer"):
-        build_tokenizer(dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "empty")))
+        build_tokenizer(**dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "empty")))
     no_eos = _save_hf_tokenizer(tmp_path / "no_eos", eos=False)
     with pytest.raises(ValueError, match=r"--tokenizer-model .*/no_eos: the tokenizer defines no EOS token"):
-        build_tokenizer(dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(no_eos)))
+        build_tokenizer(**dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(no_eos)))
 
 
 def _sentencepiece_installed():
@@ -116,7 +115,7 @@ def test_sentencepiece_tokenizer_through_megatron(tmp_path):
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"),
                                    vocab_size=3 + len(WORDS), model_type="word", eos_id=2,
                                    bos_id=1, unk_id=0, pad_id=-1, minloglevel=2)
-    sp = build_tokenizer(dict(tokenizer_type="SentencePieceTokenizer",
+    sp = build_tokenizer(**dict(tokenizer_type="SentencePieceTokenizer",
                               tokenizer_model=str(tmp_path / "sp.model")))
     assert sp.eos_id == 2 and sp.vocab_size == 3 + len(WORDS)
     assert sp.detokenize(sp.tokenize("hello world")) == "hello world"
@@ -128,7 +127,7 @@ def test_sentencepiece_missing_package_is_one_clear_error(tmp_path):
     model.write_bytes(b"\0")
     with pytest.raises(ValueError, match=r"--tokenizer-type SentencePieceTokenizer needs the "
                                          r"sentencepiece package, which is not installed"):
-        build_tokenizer(dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(model)))
+        build_tokenizer(**dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(model)))
 
 
 # --- prompts ------------------------------------------------------------------------------------
@@ -198,7 +197,7 @@ def test_prompt_lazy_validation_and_file_errors(tmp_path, tok):
 
 
 def test_null_tokenizer_text_prompt_errors(tmp_path):
-    null = build_tokenizer(dict(tokenizer_type="NullTokenizer", vocab_size=10))
+    null = build_tokenizer(**dict(tokenizer_type="NullTokenizer", vocab_size=10))
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1 2"}, {"prompt": "1 x"}, {"prompt": "1 12"}])
     data = PromptDataset(str(path), null, validate=False, shuffle=False)
     assert next(data).prompt_ids_P.tolist() == [1, 2]

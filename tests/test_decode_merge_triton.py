@@ -10,8 +10,8 @@ patch_loop_bounds()
 import torch
 from megatron_longstraw.attention import decode_attention as da
 from megatron_longstraw.attention.decode_merge_triton import decode_merge
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
+from megatron_longstraw.config.kernels import KernelOptions
 
 gen = torch.Generator().manual_seed(0)
 

@@ -9,7 +9,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import _run_sp
 from megatron_longstraw import patches
 from megatron_longstraw.attention.cp_sparse_attention import up_project
 from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise, sparse_latent_attention
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.patches.dsa_causal_topk import dsa, fused_qk_topk_causal
 from megatron_longstraw.testing.parity import max_rel_error

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import train_grpo
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+from megatron_longstraw.config.parallel import ParallelSizes
+from megatron_longstraw.distributed import destroy_distributed, init_distributed
 from megatron_longstraw.training import loop
 from megatron_longstraw.training.dynamic_sampling import fill_groups, uniform_rewards
 
@@ -75,7 +76,7 @@ def test_a_run_drops_the_groups_of_equal_rewards(tmp_path):
     draws per group, step 1 keeps prompt 0, drops 1 and keeps 2; step 2 drops 3, keeps 4, drops 5
     and keeps 6: 1 of 3 and 2 of 4 draws skipped."""
     args = train_grpo.parse_args(_args(tmp_path, "--dynamic-sampling", "--dynamic-sampling-max-draws", "2"))
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         loop.train(args)
     finally:
@@ -117,12 +118,12 @@ def test_groups_with_rewards_from_the_file_are_dropped_before_their_capture(tmp_
     args = train_grpo.parse_args(_args(tmp_path / "w", "--rollout-source", "jsonl", "--rollout-path", str(path),
                                        "--reward-fn", "exact_match", "--train-iters", "1", "--global-batch-size", "1",
                                        "--dynamic-sampling", "--dynamic-sampling-max-draws", "3"))
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         loop.train(args)
     finally:
         destroy_distributed()
-    order = EpochOrder(len(rewards), seed=args.seed)
+    order = EpochOrder(len(rewards), seed=args.training.seed)
     draws = [order.item_at(0, i) for i in range(3)].index(1) + 1
     assert draws > 1  # the seeded order puts a group of equal rewards first: something is dropped
     (row,) = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]

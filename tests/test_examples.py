@@ -44,8 +44,9 @@ def test_qwen_recipe_one_node_and_multi_node(tmp_path):
     assert launcher == {"--nproc-per-node": "8", "--nnodes": "1", "--node-rank": "0",
                         "--master-addr": "localhost", "--master-port": "6000"}
     args = parse_args(argv, world_size=8)
-    assert (args.tensor_model_parallel_size, args.context_parallel_size, args.global_batch_size) == (4, 2, 1)
-    assert args.save == str(tmp_path / "run" / "checkpoints") and args.data_path == "synthetic"
+    assert (args.parallel.tensor_model_parallel_size, args.parallel.context_parallel_size,
+            args.training.global_batch_size) == (4, 2, 1)
+    assert args.checkpoint.save == str(tmp_path / "run" / "checkpoints") and args.data.data_path == "synthetic"
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2, 3]}\n')
@@ -54,8 +55,8 @@ def test_qwen_recipe_one_node_and_multi_node(tmp_path):
         "TOKENIZER_MODEL": str(tmp_path), "CHECKPOINT_PATH": str(tmp_path / "ckpt")}))
     assert (launcher["--nnodes"], launcher["--node-rank"], launcher["--master-addr"]) == ("4", "2", "node0")
     args = parse_args(argv, world_size=32)
-    assert args.global_batch_size == 4 and args.data_path == str(prompts)
-    assert args.tokenizer_type == "HuggingFaceTokenizer" and args.save == str(tmp_path / "ckpt")
+    assert args.training.global_batch_size == 4 and args.data.data_path == str(prompts)
+    assert args.data.tokenizer_type == "HuggingFaceTokenizer" and args.checkpoint.save == str(tmp_path / "ckpt")
 
 
 def test_glm_recipe_decodes_under_cp_or_trains_on_rollouts_it_is_given(tmp_path):
@@ -64,15 +65,15 @@ def test_glm_recipe_decodes_under_cp_or_trains_on_rollouts_it_is_given(tmp_path)
     launcher, argv = _split(_launch(tmp_path, "glm-5_2m_cp32.sh", {"ROLLOUT_PATH": ""}))  # unset
     assert launcher["--nnodes"] == "4" and launcher["--nproc-per-node"] == "8"
     args = parse_args(argv, world_size=32)
-    assert (args.context_parallel_size, args.expert_model_parallel_size) == (32, 32)
-    assert args.rollout_source == "internal" and args.rollout_path is None
+    assert (args.parallel.context_parallel_size, args.parallel.expert_model_parallel_size) == (32, 32)
+    assert args.rollout.rollout_source == "internal" and args.rollout.rollout_path is None
     rollouts = tmp_path / "rollouts.jsonl"
     rollouts.write_text('{"prompt_ids": [1, 2], "responses": [[3]]}\n')
     launcher, argv = _split(_launch(tmp_path, "glm-5_2m_cp32.sh", {"ROLLOUT_PATH": str(rollouts)}))
     assert launcher["--nnodes"] == "4" and launcher["--nproc-per-node"] == "8"
     args = parse_args(argv, world_size=32)
-    assert (args.context_parallel_size, args.expert_model_parallel_size) == (32, 32)
-    assert args.rollout_source == "jsonl" and args.rollout_path == str(rollouts)
+    assert (args.parallel.context_parallel_size, args.parallel.expert_model_parallel_size) == (32, 32)
+    assert args.rollout.rollout_source == "jsonl" and args.rollout.rollout_path == str(rollouts)
 
 
 def _launches(tmp_path, script: str, env: dict, *args: str) -> list[list[str]]:
@@ -101,10 +102,12 @@ def test_retrieval_study_runs_both_modes_alike(tmp_path):
         at = grpo.index("--pretrained-checkpoint")  # (parsing would look for the checkpoint)
         assert grpo[at + 1] == f"{run}/warm"
         warm_args, args = parse_args(warm[1:]), parse_args(grpo[1:at] + grpo[at + 2:])
-        assert warm_args.loss_type == "sft" and warm_args.save == f"{run}/warm"
-        assert warm_args.prompt_gradient == args.prompt_gradient == mode and warm_args.train_iters == 25
-        assert args.loss_type == "grpo" and args.save == f"{run}/checkpoints"
-        assert args.exit_duration_in_mins < 10 and args.curriculum.longest == 32768 and args.eval_interval
+        assert warm_args.loss.loss_type == "sft" and warm_args.checkpoint.save == f"{run}/warm"
+        assert warm_args.longstraw.prompt_gradient == args.longstraw.prompt_gradient == mode
+        assert warm_args.training.train_iters == 25
+        assert args.loss.loss_type == "grpo" and args.checkpoint.save == f"{run}/checkpoints"
+        assert args.checkpoint.exit_duration_in_mins < 10 and args.curriculum.longest == 32768
+        assert args.evaluation.eval_interval
         runs[mode] = [[a for a in argv if a != mode and run not in a and not a.startswith(f"retrieval-{mode}")]
                       for argv in (warm, grpo)]
     assert runs["exact"] == runs["detached"]
@@ -116,7 +119,8 @@ def test_retrieval_study_runs_both_modes_alike(tmp_path):
     assert len(launches) == 1  # the warm start is there: GRPO (here its evaluation) only
     at = launches[0].index("--pretrained-checkpoint")
     args = parse_args(launches[0][1:at] + launches[0][at + 2:])
-    assert args.skip_train and args.eval_lengths == [131072, 524288] and args.load == str(tmp_path / "ckpt")
+    assert args.evaluation.skip_train and args.eval_lengths == [131072, 524288]
+    assert args.checkpoint.load == str(tmp_path / "ckpt")
     bad = subprocess.run(["bash", str(ROOT / "examples/retrieval_study.sh"), "full"], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PYTHON": "false"})
     assert bad.returncode == 2 and bad.stderr.strip() == "error: the mode must be exact or detached, got 'full'"

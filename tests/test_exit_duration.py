@@ -12,7 +12,7 @@ from megatron_longstraw.training import loop
 
 def _train(argv):
     args = train_grpo.parse_args(argv)
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         return loop.train(args)
     finally:

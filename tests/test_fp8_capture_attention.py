@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from megatron_longstraw.attention import fp8_capture_attention as fp8
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.partials import expand_groups
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
+from megatron_longstraw.config.kernels import KernelOptions
+from megatron_longstraw.config.model import PrecisionConfig
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_sdpa_fp8
 
 
@@ -124,13 +125,13 @@ def test_the_flag_is_refused_where_it_cannot_run(single_process):
     from megatron_longstraw.models.options import ModelOptions
     from megatron_longstraw.models.presets import resolve_hf_config
 
-    options = ModelOptions(kernel_options=KernelOptions(fp8_attention="capture"))
+    options = ModelOptions(fp8_attention="capture")
     with pytest.raises(ValueError, match=r"^--fp8-attention capture needs a CUDA GPU"):
         build_model(resolve_hf_config("qwen3.5-debug"), options)
     with pytest.raises(ValueError, match=r"^--fp8-attention capture: the model has no full-attention layer"):
         build_model(resolve_hf_config("glm-5-debug"), options)
     with pytest.raises(ValueError, match="--fp8-attention must be one of"):
-        KernelOptions(fp8_attention="always").validate()
+        PrecisionConfig(fp8_attention="always")
     q = torch.zeros(4, 2, 2, 16)
     with pytest.raises(ValueError, match=r"^--fp8-attention capture captures one prompt at a time"):
         fp8.fp8_capture_attention(q, q[:, :, :1], q[:, :, :1], kernel=emulated_sdpa_fp8)

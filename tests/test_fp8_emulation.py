@@ -142,7 +142,7 @@ def test_sensitivity_tool_end_to_end(tmp_path):
     assert variants["fp8 tensorwise"]["cosine"] < attention["cosine"] < 1
     assert (tmp_path / "fp8_sensitivity_qwen3.5-debug.md").read_text().startswith("# FP8 sensitivity")
     bad = subprocess.run([sys.executable, str(tool), "--prompt-length", "0"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == "error: --prompt-length must be >= 1"
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == "error: --prompt-length must be >= 1, got 0"
 
 
 def test_delayed_scales_move_only_with_gradients_enabled(single_process):

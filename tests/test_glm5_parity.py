@@ -164,7 +164,8 @@ def test_unsupported_routing_is_refused(single_process):
 
 def _config_errors(cases):
     """On each rank: the ValueError text of ``transformer_config`` for each (hf, tp, ep, sp)."""
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
 
     errors = []
     for hf, tp, ep, sequence_parallel in cases:
@@ -193,7 +194,8 @@ def test_heads_and_experts_not_divisible_are_refused():
 
 
 def _parallel_logits(hf, tp, ep):
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
 
     init_distributed(ParallelSizes(tensor=tp, expert=ep), seed=5)
     hf_model = build_hf_model(hf, seed=1)
@@ -318,7 +320,8 @@ def _capture_and_decode(hf, prompt_length, new_tokens):
 
 
 def _lockstep_worker(hf):
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
 
     init_distributed(ParallelSizes(expert=2), seed=5)
     rank = torch.distributed.get_rank()

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
+from megatron_longstraw.config.grpo import LossConfig
 from megatron_longstraw.grpo.advantages import advantage_stats, group_advantages
-from megatron_longstraw.grpo.policy_loss import (
-    GRPOLoss, aggregate, clipped_surrogate, entropy_from_logits, kl_k3, loss_normalizer, validate_loss_args)
+from megatron_longstraw.grpo.loss_terms import entropy_from_logits, kl_k3
+from megatron_longstraw.grpo.losses.grpo import GRPOLoss, aggregate, clipped_surrogate, loss_normalizer
 
 NAN = float("nan")
 
@@ -145,8 +146,9 @@ def test_micro_batches_sum_to_one_batch(aggregation):
     lengths = (5, 2, 4, 1)
     new, old, ref, entropy = _group(lengths=lengths)
     advantages = torch.tensor([1.2, -0.4, 0.3, -1.1])
-    kwargs = dict(ref_logprobs=ref, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.05, entropy_coef=0.01,
-                  aggregation=aggregation, normalizer=loss_normalizer(lengths, aggregation))
+    kwargs = dict(ref_logprobs=ref, normalizer=loss_normalizer(lengths, aggregation),
+                  config=LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.05, entropy_coef=0.01,
+                                    loss_aggregation=aggregation))
 
     def run(splits):
         for t in new + entropy:
@@ -180,8 +182,8 @@ def test_micro_batches_sum_to_one_batch(aggregation):
 ])
 def test_gradient_at_old_policy(aggregation, expected):
     new = [torch.tensor([-0.7, -2.0], requires_grad=True), torch.tensor([-0.1], requires_grad=True)]
-    loss_fn = GRPOLoss([t.detach().clone() for t in new], torch.tensor([1.5, -0.5]), aggregation=aggregation,
-                       normalizer=loss_normalizer([2, 1], aggregation))
+    loss_fn = GRPOLoss([t.detach().clone() for t in new], torch.tensor([1.5, -0.5]),
+                       config=LossConfig(loss_aggregation=aggregation), normalizer=loss_normalizer([2, 1], aggregation))
     logprobs_RB, mask_RB = _pad(new)
     loss = loss_fn(logprobs_RB, mask_RB, [0, 1])
     loss.backward()
@@ -199,7 +201,7 @@ def test_gradient_with_kl_and_entropy():
     new = [torch.tensor([-0.7, -2.0], requires_grad=True), torch.tensor([-0.1], requires_grad=True)]
     ref = [t.detach() + math.log(0.5) for t in new]
     loss_fn = GRPOLoss([t.detach().clone() for t in new], torch.tensor([1.5, -0.5]), ref_logprobs=ref,
-                       kl_coef=0.1, entropy_coef=0.01, normalizer=3.0)
+                       config=LossConfig(kl_coef=0.1, entropy_coef=0.01), normalizer=3.0)
     logprobs_RB, mask_RB = _pad(new)
     entropy_RB = torch.full((2, 2), 0.3, requires_grad=True)
     loss_fn(logprobs_RB, mask_RB, [0, 1], entropy_RB).backward()
@@ -220,7 +222,8 @@ def test_loss_value_and_metrics_on_ragged_batch():
                                           [0.5 * 1.25, 0.4 * 1.1],
                                           [0.5 * 0.5, 0.9]]))
     mask_RB = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
-    loss_fn = GRPOLoss(old, torch.tensor([2.0, -1.0]), clip_eps_low=0.2, clip_eps_high=0.28, normalizer=5.0)
+    loss_fn = GRPOLoss(old, torch.tensor([2.0, -1.0]), config=LossConfig(clip_eps_low=0.2, clip_eps_high=0.28),
+                       normalizer=5.0)
     assert loss_fn.metrics() == {}
     assert loss_fn(logprobs_RB, mask_RB, [0, 1]).item() == pytest.approx(-0.832, abs=1e-6)
     assert loss_fn.metrics() == pytest.approx({
@@ -233,8 +236,8 @@ def test_padding_never_reaches_the_gradient():
     logprobs_RB = torch.tensor([[-0.5, -0.2], [-0.3, 100.0]], requires_grad=True)
     mask_RB = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     loss_fn = GRPOLoss([torch.tensor([-0.5, -0.3]), torch.tensor([-0.2])], torch.tensor([1.0, -1.0]),
-                       ref_logprobs=[torch.tensor([-0.4, -0.4]), torch.tensor([-0.1])], kl_coef=0.1,
-                       normalizer=3.0)
+                       ref_logprobs=[torch.tensor([-0.4, -0.4]), torch.tensor([-0.1])],
+                       config=LossConfig(kl_coef=0.1), normalizer=3.0)
     loss_fn(logprobs_RB, mask_RB, [0, 1]).backward()
     assert torch.isfinite(logprobs_RB.grad).all() and logprobs_RB.grad[1, 1] == 0.0
     assert loss_fn.metrics()["ratio_max"] == pytest.approx(1.0)
@@ -256,15 +259,15 @@ def test_micro_batch_length_mismatch_is_reported():
     (dict(kl_coef=-1.0), "--kl-coef"),
     (dict(kl_coef=NAN), "--kl-coef"),
     (dict(entropy_coef=-0.001), "--entropy-coef"),
-    (dict(aggregation="mean"), "--loss-aggregation"),
+    (dict(loss_aggregation="mean"), "--loss-aggregation"),
 ])
 def test_bad_hyper_parameters_name_the_flag(kwargs, flag):
-    args = dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, entropy_coef=0.0, aggregation="token")
+    """A loss takes its hyper-parameters as a ``LossConfig``, which refuses a bad one on
+    construction, naming the flag (the command line's and the code's objects alike)."""
+    args = dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, entropy_coef=0.0, loss_aggregation="token")
     args.update(kwargs)
     with pytest.raises(ValueError, match=flag):
-        validate_loss_args(**args)
-    with pytest.raises(ValueError, match=flag):
-        GRPOLoss([torch.zeros(2)], torch.tensor([1.0]), ref_logprobs=[torch.zeros(2)], normalizer=2.0, **args)
+        LossConfig(**args)
 
 
 def test_bad_flags_in_functions():
@@ -278,7 +281,7 @@ def test_bad_flags_in_functions():
 
 def test_coefficients_need_their_inputs():
     with pytest.raises(ValueError, match="--kl-coef 0.1 needs reference log-probs"):
-        GRPOLoss([torch.zeros(2)], torch.tensor([1.0]), kl_coef=0.1, normalizer=2.0)
-    loss_fn = GRPOLoss([torch.zeros(2)], torch.tensor([1.0]), entropy_coef=0.01, normalizer=2.0)
+        GRPOLoss([torch.zeros(2)], torch.tensor([1.0]), config=LossConfig(kl_coef=0.1), normalizer=2.0)
+    loss_fn = GRPOLoss([torch.zeros(2)], torch.tensor([1.0]), config=LossConfig(entropy_coef=0.01), normalizer=2.0)
     with pytest.raises(ValueError, match="--entropy-coef 0.01 needs the per-token entropy"):
         loss_fn(torch.zeros(2, 1), torch.ones(2, 1), [0])

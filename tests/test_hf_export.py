@@ -3,13 +3,15 @@ step, exported by mcore-to-hf, loads in transformers with its tokenizer and gene
 
 import json
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 
 import train_grpo
+from megatron_longstraw.config.data import DataConfig
+from megatron_longstraw.config.trainer import TrainerConfig
+from megatron_longstraw.config.training import CheckpointConfig
 from megatron_longstraw.distributed import destroy_distributed, init_distributed
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.hf_reference import build_hf_model, hf_model_class
@@ -54,7 +56,7 @@ def exported(tmp_path_factory):
         "--synthetic-prompt-length", "24", "--prompt-chunk-size", "24", "--max-response-length", "2",
         "--lr", "1e-2", "--save", str(tmp / "run"), "--wandb-save-dir", str(tmp / "wandb"),
         "--pretrained-checkpoint", str(tmp / "mcore")])
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         loop.train(args)
     finally:
@@ -91,9 +93,9 @@ def test_the_exported_folder_loads_with_its_tokenizer_and_generates(exported):
 def test_run_assets_take_the_tokenizer_the_run_used(exported, tmp_path):
     source, converted, _, _ = exported
     other = _save_tokenizer(tmp_path / "other")
-    args = Namespace(pretrained_checkpoint=str(converted), load=None, tokenizer_type="HuggingFaceTokenizer",
-                     tokenizer_model=str(other))
-    assets = run_assets(args)
+    config = TrainerConfig(checkpoint=CheckpointConfig(pretrained_checkpoint=str(converted)),
+                           data=DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(other)))
+    assets = run_assets(config, load=None)
     assert assets["tokenizer.json"] == (other / "tokenizer.json").read_bytes()  # the run's tokenizer
     assert assets["generation_config.json"] == (converted / "hf_assets" / "generation_config.json").read_bytes()
 
@@ -106,7 +108,7 @@ def test_another_tokenizer_replaces_the_kept_one_whole():
     bpe = {"vocab.json": "b/vocab.json", "merges.txt": "b/merges.txt", "tokenizer_config.json": "b/tokenizer_config.json"}
     assert override_assets(kept, bpe) == {**bpe, "generation_config.json": "a/generation_config.json"}
     assert override_assets(kept, {}) == kept
-    null = run_assets(Namespace(pretrained_checkpoint=None, load=None, tokenizer_type="NullTokenizer", tokenizer_model=None))
+    null = run_assets(TrainerConfig(), load=None)
     assert null == {}
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from megatron_longstraw.attention import prefix_attention_cuda
-from megatron_longstraw.attention.kernel_options import KernelOptions, set_kernel_options
+from megatron_longstraw.attention.kernel_options import set_kernel_options
 from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.replay import replay_logits
 from megatron_longstraw.models.glm5_layers import LongStrawDSAIndexer, LongStrawDSAttention
@@ -29,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
     ("dsa_gather_elements", 0, "--dsa-gather-elements"), ("dsa_topk", "sorted", "--dsa-topk"),
     ("decode_split_keys", 0, "--decode-split-keys")])
 def test_bad_options_name_their_flag(field, value, flag):
-    KernelOptions().validate()
+    KernelOptions()
     with pytest.raises(ValueError, match=f"^{flag} must be"):
-        KernelOptions(**{field: value}).validate()
+        KernelOptions(**{field: value})
 
 
 def test_trainer_and_benchmark_parse_the_kernel_flags():

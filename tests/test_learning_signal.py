@@ -65,12 +65,12 @@ def test_an_exact_mode_run_raises_its_reward(tmp_path, monkeypatch):
         return built
 
     monkeypatch.setattr(loop, "build_policy", keep_initial_weights)
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         _, model = loop.train(args)
         # the run's task (setup.build_prompt_source: one-id keys and values), at the held-out seed
         task = held_out_task(KeyValueRetrievalTask(8, PROMPT, num_records=1, key_length=1, value_length=1, eos_id=7),
-                             PROMPT, args.seed)
+                             PROMPT, args.training.seed)
         after = _expected_reward(model, task, 32)
         model.load_state_dict(initial, strict=False)
         before = _expected_reward(model, task, 32)

@@ -9,7 +9,7 @@ import math
 import torch
 
 from megatron_longstraw.attention.dsa_blockwise import sparse_latent_partial
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.attention.partials import (
     merge_stacked_partials,
     default_scale, empty_partial, expand_groups, kernel_settings, merge_partials, merge_partials_over_group,
@@ -159,7 +159,8 @@ def _group_merge_worker(seed):
 
     from megatron.core import parallel_state
 
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
 
     init_distributed(ParallelSizes(context=2), seed=1234)
     group = parallel_state.get_context_parallel_group()

@@ -122,16 +122,15 @@ def test_tensor_cuda_patch_keeps_tensors_on_cpu():
 
 
 def _megatron_adam_step(model, clip_grad):
-    from types import SimpleNamespace
-
+    from megatron_longstraw.config.parallel import ParallelConfig
+    from megatron_longstraw.config.training import OptimizerConfig
     from megatron_longstraw.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
 
-    args = SimpleNamespace(use_distributed_optimizer=False, lr=1e-2, min_lr=0.0, weight_decay=0.1,
-                           adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=clip_grad, bf16=False,
-                           lr_warmup_iters=0, lr_decay_iters=10, lr_decay_style="constant", train_iters=10)
-    (ddp,) = chunks = wrap_ddp(model, args)
-    optimizer = build_optimizer(chunks, args)
-    build_scheduler(optimizer, args)  # sets each group's lr and weight decay (none on norms/biases)
+    adam = OptimizerConfig(lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                           clip_grad=clip_grad, lr_warmup_iters=0, lr_decay_iters=10, lr_decay_style="constant")
+    (ddp,) = chunks = wrap_ddp(model, ParallelConfig())
+    optimizer = build_optimizer(chunks, adam, ParallelConfig(), bf16=False)
+    build_scheduler(optimizer, adam, train_iters=10)  # sets each group's lr and weight decay (none on norms/biases)
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     return ddp, optimizer

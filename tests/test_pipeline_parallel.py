@@ -127,7 +127,8 @@ def _exact_cp_grads(hf) -> dict:
 def _pp_worker(hfs):
     """PP=2, then PP=2 with two virtual stages per rank (one spawn, a store port each):
     ``[{preset: _run}]`` for each, then ``[{preset: _exact_grads}]`` for each."""
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
     out, exact = [], []
@@ -270,7 +271,8 @@ def _pp_layouts_worker(hfs, reference_grads, full_grads):
     """Each layout of ``LAYOUTS`` in turn in this rank (one spawn for both; a store port each),
     each also with ``--prompt-gradient exact`` (``_exact_errors`` under TP, ``_exact_cp_grads``
     under CP)."""
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
     out = {}

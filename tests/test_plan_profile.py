@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.cost_model import prompt_flops

@@ -3,17 +3,16 @@ GSPO, CISPO, the KL / entropy terms every loss shares, the trainer hooks (normal
 gradient scale, metric names), the flag validation at start-up and the registry."""
 
 import math
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from megatron_longstraw.config.grpo import LossConfig
 from megatron_longstraw.grpo.advantages import group_advantages
-from megatron_longstraw.grpo.cispo_loss import CISPOLoss
-from megatron_longstraw.grpo.dr_grpo_loss import DrGRPOLoss
-from megatron_longstraw.grpo.gspo_loss import GSPOLoss
-from megatron_longstraw.grpo.loss_base import PolicyLoss
-from megatron_longstraw.grpo.policy_loss import GRPOLoss
+from megatron_longstraw.grpo.loss_base import PolicyLoss, StepShape
+from megatron_longstraw.grpo.losses.cispo import CISPOLoss
+from megatron_longstraw.grpo.losses.dr_grpo import DrGRPOLoss
+from megatron_longstraw.grpo.losses.grpo import GRPOLoss
+from megatron_longstraw.grpo.losses.gspo import GSPOLoss
 from megatron_longstraw.grpo.registry import POLICY_LOSSES, get_policy_loss, register_policy_loss
 from megatron_longstraw.training.arguments import parse_args
 
@@ -51,12 +50,10 @@ def _run(loss_fn, new, splits, entropy=None):
     return total
 
 
-def _args(**overrides):
-    args = dict(loss_type="grpo", loss_aggregation=None, advantage_normalization=None, clip_eps_low=0.2,
-                clip_eps_high=0.28, kl_coef=0.0, entropy_coef=0.0, max_response_length=4, data_parallel_size=1,
-                rollout_correction="none", rollout_correction_cap=2.0)
-    args.update(overrides)
-    return SimpleNamespace(**args)
+def _step(groups_per_rank=1, data_parallel_size=1) -> StepShape:
+    """A step of ``groups_per_rank`` groups per rank on ``data_parallel_size`` ranks, responses of
+    at most 4 tokens (``--max-response-length``)."""
+    return StepShape(groups_per_rank=groups_per_rank, data_parallel_size=data_parallel_size, max_response_length=4)
 
 
 # ---- Dr. GRPO -----------------------------------------------------------------------------------
@@ -69,10 +66,10 @@ def test_dr_grpo_sums_tokens_over_the_constant_normalizer():
     # loss (-1.1 - 0.9 - 1.28 + 0.6) / 8 = -0.335; grads (-1.1, -0.9, 0) / 8 and 0.6 / 8
     new, old = _columns([[-0.7, -2.0, -1.1], [-0.3]], [[math.log(1.1), math.log(0.9), math.log(1.5)],
                                                         [math.log(1.2)]])
-    args = _args(loss_type="dr_grpo")
-    DrGRPOLoss.validate_args(args)
-    assert (args.loss_aggregation, args.advantage_normalization) == ("token", "none")
-    loss_fn = DrGRPOLoss.for_group(args, old, torch.tensor([1.0, -0.5]), ref_logprobs=None, groups_per_rank=1)
+    config = LossConfig(loss_type="dr_grpo")
+    DrGRPOLoss.check_config(config)
+    assert (DrGRPOLoss.aggregation_of(config), DrGRPOLoss.advantage_normalization(config)) == ("token", "none")
+    loss_fn = DrGRPOLoss.for_group(config, _step(), old, torch.tensor([1.0, -0.5]), ref_logprobs=None)
     assert loss_fn.normalizer == 8.0
     assert _run(loss_fn, new, [[0, 1]]) == pytest.approx(-0.335, abs=1e-12)
     torch.testing.assert_close(new[0].grad, torch.tensor([-1.1 / 8, -0.9 / 8, 0.0], dtype=F64))
@@ -80,20 +77,21 @@ def test_dr_grpo_sums_tokens_over_the_constant_normalizer():
     metrics = loss_fn.metrics()
     assert metrics["clip_frac_high"] == pytest.approx(0.25) and metrics["clip_frac_low"] == 0.0
     # the normalizer is per rank: 4 x 3 responses x 2 groups; DDP's average divides by the DP size
-    assert DrGRPOLoss.for_group(args, [torch.zeros(1)] * 3, torch.zeros(3), ref_logprobs=None,
-                                groups_per_rank=2).normalizer == 24.0
+    assert DrGRPOLoss.for_group(config, _step(groups_per_rank=2), [torch.zeros(1)] * 3, torch.zeros(3),
+                                ref_logprobs=None).normalizer == 24.0
 
 
 def test_dr_grpo_advantages_are_only_centred():
     # rewards 1, 0, 0: mean 1/3 -> 2/3, -1/3, -1/3 (group-std would give 1.1547, -0.5774, -0.5774)
-    args = _args(loss_type="dr_grpo")
-    DrGRPOLoss.validate_args(args)
-    torch.testing.assert_close(group_advantages(torch.tensor([1.0, 0.0, 0.0]), args.advantage_normalization),
+    config = LossConfig(loss_type="dr_grpo")
+    DrGRPOLoss.check_config(config)
+    torch.testing.assert_close(group_advantages(torch.tensor([1.0, 0.0, 0.0]),
+                                                DrGRPOLoss.advantage_normalization(config)),
                                torch.tensor([2 / 3, -1 / 3, -1 / 3]))
     with pytest.raises(ValueError, match="--advantage-normalization"):
-        DrGRPOLoss.validate_args(_args(loss_type="dr_grpo", advantage_normalization="group-std"))
+        DrGRPOLoss.check_config(LossConfig(loss_type="dr_grpo", advantage_normalization="group-std"))
     with pytest.raises(ValueError, match="--loss-aggregation"):
-        DrGRPOLoss.validate_args(_args(loss_type="dr_grpo", loss_aggregation="sequence"))
+        DrGRPOLoss.check_config(LossConfig(loss_type="dr_grpo", loss_aggregation="sequence"))
 
 
 # ---- GSPO ---------------------------------------------------------------------------------------
@@ -117,10 +115,10 @@ GSPO_ADVANTAGES = [1.0, -1.0, 0.5]
 ])
 def test_gspo_sequence_ratio_value_and_gradient(eps, loss, grads):
     new, old = _columns(GSPO_OLD, GSPO_LOG_RATIOS)
-    args = _args(loss_type="gspo", clip_eps_low=eps[0], clip_eps_high=eps[1])
-    GSPOLoss.validate_args(args)
-    assert args.loss_aggregation == "sequence"
-    loss_fn = GSPOLoss.for_group(args, old, torch.tensor(GSPO_ADVANTAGES), ref_logprobs=None, groups_per_rank=1)
+    config = LossConfig(loss_type="gspo", clip_eps_low=eps[0], clip_eps_high=eps[1])
+    GSPOLoss.check_config(config)
+    assert GSPOLoss.aggregation_of(config) == "sequence"
+    loss_fn = GSPOLoss.for_group(config, _step(), old, torch.tensor(GSPO_ADVANTAGES), ref_logprobs=None)
     assert loss_fn.normalizer == 3.0
     assert _run(loss_fn, new, [[0, 1, 2]]) == pytest.approx(loss, abs=1e-12)
     for tensor, expected in zip(new, grads):
@@ -159,7 +157,7 @@ def test_gspo_equals_gspo_token_and_micro_batches_add_up():
     for splits in ([[0, 1, 2, 3]], [[0, 1], [2], [3]]):
         for t in new:
             t.grad = None
-        loss_fn = GSPOLoss(old, advantages, normalizer=4.0, clip_eps_low=low, clip_eps_high=high)
+        loss_fn = GSPOLoss(old, advantages, normalizer=4.0, config=LossConfig(clip_eps_low=low, clip_eps_high=high))
         assert _run(loss_fn, new, splits) == pytest.approx(expected.item() / 4, abs=1e-12)
         for got, want in zip(new, token_grads):
             torch.testing.assert_close(got.grad, want)
@@ -178,7 +176,8 @@ def test_cispo_gradient_is_minus_clipped_weight_times_advantage():
     half = math.log(0.5)
     new, old = _columns([[half] * 3, [half]], [[math.log(1.5), math.log(1.1), math.log(0.5)], [math.log(0.75)]])
     # (in the trainer the normalizer is 1 and finish_step scales by the global token count)
-    loss_fn = CISPOLoss(old, torch.tensor([2.0, -1.0]), normalizer=4.0, clip_eps_low=0.2, clip_eps_high=0.28)
+    loss_fn = CISPOLoss(old, torch.tensor([2.0, -1.0]), normalizer=4.0,
+                        config=LossConfig(clip_eps_low=0.2, clip_eps_high=0.28))
     assert _run(loss_fn, new, [[0, 1]]) == pytest.approx(3.4851151 / 4, abs=1e-7)
     torch.testing.assert_close(new[0].grad, torch.tensor([-2.56 / 4, -2.2 / 4, -1.6 / 4], dtype=F64))
     torch.testing.assert_close(new[1].grad, torch.tensor([0.8 / 4], dtype=F64))
@@ -187,13 +186,13 @@ def test_cispo_gradient_is_minus_clipped_weight_times_advantage():
     assert (metrics["clip_frac_low"], metrics["clip_frac_high"]) == pytest.approx((0.5, 0.25))
     assert metrics["policy_loss"] == pytest.approx(3.4851151 / 4, abs=1e-6)
     with pytest.raises(ValueError, match="--loss-aggregation"):
-        CISPOLoss.validate_args(_args(loss_type="cispo", loss_aggregation="sequence"))
+        CISPOLoss.check_config(LossConfig(loss_type="cispo", loss_aggregation="sequence"))
 
 
 # ---- KL and entropy, shared by every loss -------------------------------------------------------
 
 @pytest.mark.parametrize("cls, kwargs, per_sequence", [
-    (GRPOLoss, dict(aggregation="token"), False), (GRPOLoss, dict(aggregation="sequence"), True),
+    (GRPOLoss, dict(loss_aggregation="token"), False), (GRPOLoss, dict(loss_aggregation="sequence"), True),
     (DrGRPOLoss, {}, False), (CISPOLoss, {}, False), (GSPOLoss, {}, True)])
 def test_kl_and_entropy_terms_in_every_loss(cls, kwargs, per_sequence):
     # zero advantages: only the regularizers remain. new = old (ratio 1), ref = logp + log 0.5:
@@ -205,7 +204,8 @@ def test_kl_and_entropy_terms_in_every_loss(cls, kwargs, per_sequence):
     ref = [o + math.log(0.5) for o in old]
     entropy = [torch.full((2,), 0.3, dtype=F64, requires_grad=True), torch.full((1,), 0.3, dtype=F64,
                                                                                 requires_grad=True)]
-    loss_fn = cls(old, torch.zeros(2), normalizer=2.0, ref_logprobs=ref, kl_coef=0.1, entropy_coef=0.01, **kwargs)
+    loss_fn = cls(old, torch.zeros(2), normalizer=2.0, ref_logprobs=ref,
+                  config=LossConfig(kl_coef=0.1, entropy_coef=0.01, **kwargs))
     term = 0.1 * (0.5 - math.log(0.5) - 1) - 0.01 * 0.3
     weights = ([0.5, 0.5], [1.0]) if per_sequence else ([1.0, 1.0], [1.0])
     assert _run(loss_fn, new, [[0, 1]], entropy) == pytest.approx(term * sum(map(sum, weights)) / 2, abs=1e-12)
@@ -228,12 +228,12 @@ def test_kl_and_entropy_terms_in_every_loss(cls, kwargs, per_sequence):
 ])
 def test_group_normalizer_and_end_of_step_scale(loss_type, aggregation, normalizer, total, scale):
     cls = get_policy_loss(loss_type)
-    args = _args(loss_type=loss_type, data_parallel_size=2, loss_aggregation=aggregation)
-    cls.validate_args(args)
-    loss_fn = cls.for_group(args, [torch.zeros(2)] * 3, torch.zeros(3), ref_logprobs=None, groups_per_rank=2)
+    config, step = LossConfig(loss_type=loss_type, loss_aggregation=aggregation), _step(2, data_parallel_size=2)
+    cls.check_config(config)
+    loss_fn = cls.for_group(config, step, [torch.zeros(2)] * 3, torch.zeros(3), ref_logprobs=None)
     assert loss_fn.normalizer == normalizer
     metrics = {"loss/sum": 6.0, "tokens/response": 40.0}
-    assert cls.finish_step(metrics, args) == pytest.approx(scale)
+    assert cls.finish_step(metrics, config, step) == pytest.approx(scale)
     assert metrics == pytest.approx({"loss/total": total, "tokens/response": 40.0})
     assert "loss/sum" in cls.summed_metrics
 
@@ -248,12 +248,13 @@ def test_logged_metric_names():
 # ---- flags at start-up and the registry -----------------------------------------------------------
 
 def test_trainer_flags_resolve_per_loss():
-    defaults = {name: parse_args(["--loss-type", name]) for name in ("grpo", "dr_grpo", "gspo", "cispo")}
-    assert {n: (a.loss_aggregation, a.advantage_normalization) for n, a in defaults.items()} == {
+    defaults = {name: parse_args(["--loss-type", name]).loss for name in ("grpo", "dr_grpo", "gspo", "cispo")}
+    assert {n: (get_policy_loss(n).aggregation_of(c), get_policy_loss(n).advantage_normalization(c))
+            for n, c in defaults.items()} == {
         "grpo": ("token", "group-std"), "dr_grpo": ("token", "none"), "gspo": ("sequence", "group-std"),
         "cispo": ("token", "group-std")}
-    assert parse_args([]).loss_type == "grpo"
-    assert parse_args(["--loss-aggregation", "sequence"]).loss_aggregation == "sequence"
+    assert parse_args([]).loss.loss_type == "grpo"
+    assert GRPOLoss.aggregation_of(parse_args(["--loss-aggregation", "sequence"]).loss) == "sequence"
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -271,12 +272,21 @@ def test_bad_loss_flags_fail_at_start_up_naming_the_flag(argv, needle):
 
 
 def test_registry():
-    assert list(POLICY_LOSSES) == ["grpo", "dr_grpo", "gspo", "cispo", "sft"]
+    """Every loss of ``grpo/losses/`` is registered where it is defined (its decorator), under the
+    names ``--help`` lists, read from the source without importing the losses."""
     assert get_policy_loss("gspo") is GSPOLoss
-    with pytest.raises(ValueError, match="--loss-type must be one of grpo, dr_grpo, gspo, cispo, sft, got 'ppo'"):
+    builtins = {"grpo", "dr_grpo", "gspo", "cispo", "sft"}
+    assert set(POLICY_LOSSES) == builtins
+    from megatron_longstraw.grpo.registry import loss_help
+
+    assert [entry.split(" (")[0] for entry in loss_help().removeprefix("Registered: ").rstrip(".").split("), ")] \
+        == sorted(builtins)
+    assert "gspo (sequence-level ratio and clip)" in loss_help()
+    message = "--loss-type must be one of cispo, dr_grpo, grpo, gspo, sft or module:Class, got 'ppo'"
+    with pytest.raises(ValueError, match=message):
         get_policy_loss("ppo")
-    with pytest.raises(ValueError, match="--loss-type must be one of grpo, dr_grpo, gspo, cispo, sft, got 'ppo'"):
-        parse_args(["--loss-type", "ppo"])  # checked after parsing: the parser imports no registry
+    with pytest.raises(ValueError, match=message):
+        parse_args(["--loss-type", "ppo"])  # checked after parsing: the parser imports no loss
 
     class HalfGRPO(GRPOLoss):
         def loss(self, batch):
@@ -285,7 +295,7 @@ def test_registry():
     try:
         assert register_policy_loss("half_grpo")(HalfGRPO) is HalfGRPO
         assert get_policy_loss("half_grpo") is HalfGRPO and HalfGRPO.name == "half_grpo"
-        assert parse_args(["--loss-type", "half_grpo"]).loss_aggregation == "token"
+        assert HalfGRPO.aggregation_of(parse_args(["--loss-type", "half_grpo"]).loss) == "token"
         with pytest.raises(ValueError, match="'half_grpo' is already registered"):
             register_policy_loss("half_grpo")(type("Other", (GRPOLoss,), {}))
     finally:

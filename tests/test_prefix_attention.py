@@ -10,9 +10,9 @@ import functools
 import pytest
 import torch
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
 from megatron_longstraw.attention.prefix_attention_cuda import prefix_causal_attention_cuda
+from megatron_longstraw.config.kernels import KernelOptions
 
 
 @pytest.mark.parametrize("block", [1_000_000, 64, 7])
@@ -126,7 +126,8 @@ def _cp_page_worker():
     from megatron.core import parallel_state
 
     from megatron_longstraw.attention.cp_attention import cp_prefix_causal_attention
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
 
     torch.set_num_threads(1)
     init_distributed(ParallelSizes(context=2), seed=1234)

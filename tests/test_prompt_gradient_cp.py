@@ -9,7 +9,7 @@ every case."""
 import pytest
 import torch
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
 from megatron_longstraw.testing.parity import (exact_gradients, max_rel_error, random_tokens, seeded_model,
@@ -46,7 +46,8 @@ def _full_backprop(hfs):
 
 
 def _cp_worker(hfs):
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
 
     torch.set_num_threads(1)  # two ranks on a small CPU
     init_distributed(ParallelSizes(context=2), seed=1234)

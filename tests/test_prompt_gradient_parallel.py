@@ -125,7 +125,8 @@ def _ep_run(ep_full, ep_counts) -> dict:
 
 def _worker(full, ep_full, ep_counts):
     """TP=2, then EP=2 (a store port each)."""
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import destroy_distributed, init_distributed
 
     torch.set_num_threads(1)  # two ranks on a small CPU
     out = {}

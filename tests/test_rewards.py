@@ -29,7 +29,7 @@ def test_exact_match_on_ids():
 def test_exact_match_on_text_uses_the_tokenizer():
     from megatron_longstraw.data.tokenizer import build_tokenizer
 
-    null = build_tokenizer(dict(tokenizer_type="NullTokenizer", vocab_size=10))
+    null = build_tokenizer(**dict(tokenizer_type="NullTokenizer", vocab_size=10))
     reward = build_reward("exact_match", eos_id=null.eos_id, tokenizer=null)
     assert _score(reward, [[4, 5, 9], [4, 6, 9]], " 4 5 ") == [1.0, 0.0]
     no_tokenizer = build_reward("exact_match", eos_id=EOS)

@@ -5,10 +5,10 @@ import torch
 
 from megatron_longstraw.attention import sdpa_core
 from megatron_longstraw.attention.decode_attention import decode_attention
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
-from megatron_longstraw.longstraw.capture import capture_prompt
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.core.decode_state import new_decode_state
+from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.decode_step import decode_step
 from megatron_longstraw.longstraw.model_steps import token_logprobs
 from megatron_longstraw.longstraw.replay import replay_logits

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 import train_grpo
+from megatron_longstraw.config.grpo import LossConfig
 from megatron_longstraw.data.external_rollouts import ExternalRolloutDataset
 from megatron_longstraw.distributed import destroy_distributed, init_distributed
-from megatron_longstraw.grpo.gspo_loss import GSPOLoss
-from megatron_longstraw.grpo.policy_loss import GRPOLoss
-from megatron_longstraw.grpo.rollout_correction import check_correction, sequence_weights, token_weights
+from megatron_longstraw.grpo.losses.grpo import GRPOLoss
+from megatron_longstraw.grpo.losses.gspo import GSPOLoss
+from megatron_longstraw.grpo.rollout_correction import sequence_weights, token_weights
 from megatron_longstraw.longstraw.capture import capture_prompt
+from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.rollout.generate import generate_from_state
 from megatron_longstraw.training import loop
-from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.training.setup import build_policy, build_prompt_source
 
 LOG = math.log
@@ -60,12 +61,12 @@ def test_sequence_weights_use_the_geometric_mean():
                                               ("mis", float("inf"), "--rollout-correction-cap must be")])
 def test_bad_correction_flags(mode, cap, needle):
     with pytest.raises(ValueError, match=needle):
-        check_correction(mode, cap)
+        LossConfig(rollout_correction=mode, rollout_correction_cap=cap)
 
 
 def _grpo(old, sampler, mode, cap, advantages):
-    return GRPOLoss(old, torch.tensor(advantages), normalizer=1.0, clip_eps_low=0.2, clip_eps_high=0.2,
-                    sampler_logprobs=sampler, rollout_correction=mode, rollout_correction_cap=cap)
+    config = LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, rollout_correction=mode, rollout_correction_cap=cap)
+    return GRPOLoss(old, torch.tensor(advantages), normalizer=1.0, config=config, sampler_logprobs=sampler)
 
 
 def test_tis_weighs_the_policy_gradient_and_logs_the_gap():
@@ -118,11 +119,11 @@ def test_gspo_weighs_each_response():
     sampler = [_t(LOG(0.25), LOG(1.0)), _t(LOG(0.05))]  # geometric means 1 and 4
     new = torch.tensor([[LOG(0.5), LOG(0.2)], [LOG(0.5), 0.0]], dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
-    plain = GSPOLoss(old, torch.tensor([1.0, 1.0]), normalizer=1.0, clip_eps_low=0.5,
-                     clip_eps_high=0.5)
-    weighted = GSPOLoss(old, torch.tensor([1.0, 1.0]), normalizer=1.0, clip_eps_low=0.5,
-                        clip_eps_high=0.5, sampler_logprobs=sampler,
-                        rollout_correction="tis", rollout_correction_cap=3.0)
+    plain = GSPOLoss(old, torch.tensor([1.0, 1.0]), normalizer=1.0,
+                     config=LossConfig(clip_eps_low=0.5, clip_eps_high=0.5))
+    weighted = GSPOLoss(old, torch.tensor([1.0, 1.0]), normalizer=1.0, sampler_logprobs=sampler,
+                        config=LossConfig(clip_eps_low=0.5, clip_eps_high=0.5, rollout_correction="tis",
+                                          rollout_correction_cap=3.0))
     plain(new, mask, [0, 1]).backward()
     g_plain = new.grad.clone()
     new.grad = None
@@ -182,7 +183,7 @@ def test_logprobs_of_another_temperature_get_their_weights_and_train(tmp_path):
     builds it); the file carries that sampler's log-probs; training with TIS weighs every token by
     min(pi_old / pi_sampler, cap), pi_old at temperature 1, and logs exactly those weights."""
     args = train_grpo.parse_args(_run_args(tmp_path, "--synthetic-prompt-length", "40"))
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         hf, model, _, _ = build_policy(args)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -204,7 +205,7 @@ def test_logprobs_of_another_temperature_get_their_weights_and_train(tmp_path):
     path.write_text(json.dumps(record) + "\n")
     args = train_grpo.parse_args(_run_args(tmp_path, "--rollout-source", "jsonl", "--rollout-path", str(path),
                                            "--rollout-correction", "tis", "--rollout-correction-cap", str(cap)))
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         metrics, model = loop.train(args)
         moved = any(not torch.equal(p.detach(), initial[n]) for n, p in model.named_parameters())
@@ -224,7 +225,7 @@ def test_a_correction_needs_logprobs_in_the_record(tmp_path):
                                 "rewards": [0, 1, 0]}) + "\n")
     args = train_grpo.parse_args(_run_args(tmp_path, "--rollout-source", "jsonl", "--rollout-path", str(path),
                                            "--rollout-correction", "mis"))
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         with pytest.raises(ValueError, match=f"{path}:1: --rollout-correction mis needs the sampler's 'logprobs'"):
             build_prompt_source(args, resolve_hf_config("qwen3.5-debug"), SimpleNamespace(eos_id=255, vocab_size=256))

@@ -8,7 +8,7 @@ pages. One spawn runs every case."""
 import pytest
 import torch
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import run_multiprocess
 
@@ -64,7 +64,8 @@ def _run(hf, seed, kernels=KernelOptions()):
 def _cp_worker(hf):
     from megatron.core import parallel_state
 
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
 
     torch.set_num_threads(1)  # two ranks on a small CPU
     init_distributed(ParallelSizes(context=2), seed=1234)
@@ -76,7 +77,8 @@ def _cp_worker(hf):
 
 @pytest.fixture(scope="module")
 def runs():
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import destroy_distributed, init_distributed
     from megatron_longstraw.testing.parity import forward_logits
 
     hf = resolve_hf_config(PRESET)

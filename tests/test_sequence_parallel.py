@@ -82,7 +82,8 @@ def _run_cases(hf):
 
 
 def _tp_worker(hfs, references):
-    from megatron_longstraw.distributed import ParallelSizes, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import init_distributed
     from megatron_longstraw.testing.parity import tp_grad_errors
 
     torch.set_num_threads(1)  # two ranks on a small CPU

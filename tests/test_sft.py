@@ -37,7 +37,7 @@ def _train(argv, monkeypatch=None):
             return built
 
         monkeypatch.setattr(loop, "build_policy", keep_initial)
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         metrics, _ = loop.train(args)
     finally:
@@ -51,7 +51,7 @@ def _answer_nll(model, args) -> float:
     plain forward of prompt + answer (no capture, no replay)."""
     hf = resolve_hf_config("qwen3.5-debug")
     task = KeyValueRetrievalTask(hf["vocab_size"], PROMPT, num_records=2, key_length=1, value_length=ANSWER - 1,
-                                 eos_id=hf["vocab_size"] - 1, seed=args.seed)
+                                 eos_id=hf["vocab_size"] - 1, seed=args.training.seed)
     total, tokens = 0.0, 0
     for index in range(2):
         prompt_P, answer_A, _ = task.generate(index)
@@ -106,7 +106,7 @@ def test_a_text_answer_is_refused_naming_the_record(tmp_path):
     data.write_text(json.dumps({"prompt_ids": [5, 6, 7, 8], "answer": "forty-two"}) + "\n")
     args = train_grpo.parse_args(_args(tmp_path, "--data-path", str(data), "--reward-fn", "exact_match",
                                        "--global-batch-size", "1"))
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         with pytest.raises(ValueError, match=rf"--loss-type sft: record {data}:1 has no token-id answer"):
             loop.train(args)

@@ -17,6 +17,7 @@ import train_grpo
 from megatron_longstraw.distributed import destroy_distributed, init_distributed
 from megatron_longstraw.testing.wandb_records import find_run_file, read_history
 from megatron_longstraw.training import loop
+from megatron_longstraw.training.startup import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
 # Counted as time, throughput, memory or run bookkeeping; everything else must match exactly.
@@ -39,7 +40,7 @@ def _args(tmp_path: Path, *extra: str) -> list[str]:
 
 def _train(argv):
     args = train_grpo.parse_args(argv)
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         metrics, model = loop.train(args)
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -366,7 +367,7 @@ def warm_start(tmp_path_factory):
     rope = dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=0.25)
     converted = _converted_checkpoint(tmp, "qwen3.5-debug", rope_parameters=rope)
     args = train_grpo.parse_args(_args(tmp / "run", *ONE_QUICK_STEP, "--pretrained-checkpoint", str(converted)))
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         _, model = loop.train(args)
         inv_freq = model.rotary_pos_emb.inv_freq.detach().clone()
@@ -405,7 +406,7 @@ def test_model_flag_takes_a_converted_checkpoint(warm_start, tmp_path):
     assert params["decoder.layers.0.mlp.linear_fc1.weight"].shape == (256, 64)
     args = train_grpo.parse_args(_args(tmp_path / "both", "--model", str(converted),
                                        "--pretrained-checkpoint", str(converted)))
-    assert args.model_source == str(converted)  # the same model: accepted
+    assert model_source(args) == str(converted)  # the same model: accepted
 
 
 @pytest.mark.parametrize("flag", ["--model", "--hf-config"])
@@ -801,6 +802,65 @@ def test_each_loss_type_trains_a_step(tmp_path, monkeypatch, loss_type):
     else:
         return
     assert abs(metrics["loss/total"] - expected) <= 1e-6, (metrics["loss/total"], expected)
+
+
+OUT_OF_TREE_LOSS = '''"""A loss outside the package: plain REINFORCE, -A logp per token over the global token count."""
+
+from megatron_longstraw.grpo.loss_base import PolicyLoss
+from megatron_longstraw.grpo.loss_terms import aggregated_sum
+
+
+class Reinforce(PolicyLoss):
+    metric_names = {**PolicyLoss.metric_names, "policy_loss": "reinforce/policy"}
+
+    @classmethod
+    def group_normalizer(cls, config, step, num_responses):
+        return 1.0
+
+    @classmethod
+    def finish_step(cls, metrics, config, step):
+        metrics["loss/total"] = metrics.pop("loss/sum") / metrics["tokens/response"]
+        return step.data_parallel_size / metrics["tokens/response"]
+
+    def loss(self, batch):
+        policy_RB = -batch.advantages_B.unsqueeze(0) * batch.logprobs_RB
+        self.add_token_metric("policy_loss", policy_RB, batch.real_RB)
+        return aggregated_sum(self.regularized(policy_RB, batch), batch.real_RB, "token") / self.normalizer
+
+
+class NotALoss:
+    pass
+'''
+
+
+def test_an_out_of_tree_loss_trains_a_step(tmp_path, monkeypatch):
+    """``--loss-type module:Class`` (a ``PolicyLoss`` subclass importable from the working
+    directory): one step on two rollout groups moves the parameters, with the metrics the loss
+    names (its policy term under its own name); a module that does not import, a class that is
+    not a loss, are one line each naming the flag."""
+    (tmp_path / "my_losses.py").write_text(OUT_OF_TREE_LOSS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    initial, build_policy = {}, loop.build_policy
+
+    def keep_initial(config):
+        built = build_policy(config)
+        initial.update({n: p.detach().clone() for n, p in built[1].named_parameters()})
+        return built
+
+    monkeypatch.setattr(loop, "build_policy", keep_initial)
+    path = _rollout_file(tmp_path)
+    argv = _args(tmp_path, "--train-iters", "1", "--no-save", "--wandb-mode", "disabled", "--max-response-length",
+                 "8", "--rollout-source", "jsonl", "--rollout-path", str(path), "--reward-fn", "exact_match")
+    metrics, params = _train(argv + ["--loss-type", "my_losses:Reinforce"])
+    assert metrics["optim/grad_norm"] > 0 and math.isfinite(metrics["loss/total"])
+    assert math.isfinite(metrics["reinforce/policy"]) and "loss/policy" not in metrics
+    assert metrics["kl/approx"] == 0.0  # the shared terms come with every loss
+    assert any(not torch.equal(initial[name], value) for name, value in params.items())
+    for spec, needle in (("my_losses:NotALoss", "my_losses.NotALoss is not a PolicyLoss subclass"),
+                         ("no_such_losses:Reinforce", "cannot import no_such_losses")):
+        with pytest.raises(ValueError, match=f"^--loss-type {spec}: {needle}"):
+            train_grpo.parse_args(argv + ["--loss-type", spec])
 
 
 @pytest.mark.parametrize("model", ["qwen3.5-debug", "glm-5-debug"])

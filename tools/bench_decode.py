@@ -31,12 +31,19 @@ console.quiet_third_party()  # before torch and Megatron load
 
 import torch  # noqa: E402
 
-from megatron_longstraw.attention.kernel_options import KernelOptions  # noqa: E402
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config  # noqa: E402
+from megatron_longstraw.config import cli  # noqa: E402
+from megatron_longstraw.config.benchmark import BenchOutputConfig  # noqa: E402
+from megatron_longstraw.config.grpo import RolloutConfig  # noqa: E402
+from megatron_longstraw.config.kernels import KernelOptions  # noqa: E402
+from megatron_longstraw.config.longstraw import LongStrawConfig  # noqa: E402
+from megatron_longstraw.config.model import ModelConfig  # noqa: E402
+from megatron_longstraw.config.parallel import ParallelSizes  # noqa: E402
+from megatron_longstraw.config.workload import WorkloadConfig  # noqa: E402
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed  # noqa: E402
 from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
 from megatron_longstraw.models.builder import build_model  # noqa: E402
 from megatron_longstraw.models.options import ModelOptions  # noqa: E402
-from megatron_longstraw.models.presets import resolve_hf_config  # noqa: E402
 from megatron_longstraw.models.registry import family_for  # noqa: E402
 from megatron_longstraw.rollout.generate import generate_from_state  # noqa: E402
 from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/, beside this script)
@@ -44,31 +51,35 @@ from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/, b
 GiB = 2 ** 30
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags: the shared ones from the configuration (``config/``), its own below."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3.5-0.8b", help="preset name, HF folder or config.json")
-    p.add_argument("--prompt-lengths", default="131072", help="comma-separated prompt lengths")
-    p.add_argument("--group-sizes", default="1,8,32", help="comma-separated G (samples decoded together)")
-    p.add_argument("--hf-group-sizes", default="8",
-                   help="comma-separated G for transformers' generate beside it ('' skips it)")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens each sample decodes (no EOS stop)")
-    p.add_argument("--warmup-steps", type=int, default=8, help="first steps left out of the per-step time")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0: greedy")
-    p.add_argument("--prompt-chunk-size", type=int, default=32768, help="prompt tokens per capture chunk")
-    p.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="override the preset's position budget (RoPE extrapolation, as Megatron's flag)")
-    p.add_argument("--decode-split-keys", type=int, default=KernelOptions().decode_split_keys,
-                   help="fewest prompt keys per split of a decode step's attention over the pages (as the trainer's flag)")
-    p.add_argument("--decode-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="replay our decode steps from CUDA graphs where the model allows it (as the trainer does)")
-    p.add_argument("--hbm-tbps", type=float, default=4.8, help="the GPU's memory bandwidth, TB/s (H200: 4.8)")
-    p.add_argument("--profile", type=int, default=0, metavar="G",
-                   help="also profile G samples decoding at each prompt length (operator tables beside the results)")
-    p.add_argument("--output-dir", default="docs/bench", help="folder for the JSON and Markdown results")
-    p.add_argument("--tag", default="", help="suffix for the output file names")
-    args = p.parse_args(argv)
-    for flag in ("prompt_lengths", "group_sizes", "hf_group_sizes"):
-        setattr(args, flag, [int(x) for x in getattr(args, flag).split(",") if x])
+    cli.add_flags(p, ModelConfig, only=("model", "max_position_embeddings"))
+    cli.add_flags(p, WorkloadConfig, only=("prompt_lengths", "group_sizes"), about="G: samples decoded together")
+    cli.add_flags(p, RolloutConfig, only=("temperature", "decode_cuda_graphs"))
+    cli.add_flags(p, LongStrawConfig, only=("prompt_chunk_size",))
+    cli.add_flags(p, KernelOptions, only=("decode_split_keys",))
+    cli.add_flags(p, BenchOutputConfig)
+    g = p.add_argument_group("decoding")
+    g.add_argument("--hf-group-sizes", default="8",
+                   help="comma-separated G for transformers' generate beside it ('' skips it) (default: 8)")
+    g.add_argument("--new-tokens", type=int, default=64, help="tokens each sample decodes (no EOS stop) (default: 64)")
+    g.add_argument("--warmup-steps", type=int, default=8,
+                   help="first steps left out of the per-step time (default: 8)")
+    g.add_argument("--hbm-tbps", type=float, default=4.8, help="the GPU's memory bandwidth, TB/s (H200: 4.8) "
+                   "(default: 4.8)")
+    g.add_argument("--profile", type=int, default=0, metavar="G",
+                   help="also profile G samples decoding at each prompt length (operator tables beside the "
+                        "results; default: 0, off)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The tool's flags, the shared ones checked by their configuration groups."""
+    args = build_parser().parse_args(argv)
+    for group in (ModelConfig, WorkloadConfig, RolloutConfig, LongStrawConfig, KernelOptions):
+        cli.group_from(args, group)
+    args.hf_group_sizes = [int(x) for x in args.hf_group_sizes.split(",") if x]
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (a step after the first token), got {args.new_tokens}")
     if not args.hbm_tbps > 0:
@@ -77,13 +88,10 @@ def parse_args(argv=None):
         raise ValueError(f"--new-tokens {args.new_tokens} must be at least --warmup-steps {args.warmup_steps} + 2")
     if args.warmup_steps < 0:
         raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
-    if not args.prompt_lengths or any(n < 1 for n in args.prompt_lengths):
-        raise ValueError(f"--prompt-lengths: positive lengths needed, got {args.prompt_lengths}")
-    KernelOptions(decode_split_keys=args.decode_split_keys).validate()
     if args.profile < 0:
         raise ValueError(f"--profile must be >= 0 (samples; 0: off), got {args.profile}")
-    if any(g < 1 for g in args.group_sizes + args.hf_group_sizes):
-        raise ValueError("--group-sizes / --hf-group-sizes: G must be >= 1")
+    if any(g < 1 for g in args.hf_group_sizes):
+        raise ValueError("--hf-group-sizes: G must be >= 1")
     return args
 
 
@@ -236,12 +244,15 @@ def profile_decode(model, state, group: int, args, generator, path) -> None:
                     + "\n\nby CPU time (with children):\n" + table.table(sort_by="cpu_time_total", row_limit=30))
 
 
+def _name(args) -> str:
+    """The model as the results name it."""
+    return cli.group_from(args, ModelConfig).name
+
+
 def run(args) -> list[dict]:
-    hf = resolve_hf_config(args.model)
-    if args.max_position_embeddings:
-        hf["max_position_embeddings"] = args.max_position_embeddings
+    hf = model_hf_config(cli.group_from(args, ModelConfig))
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    kernels = KernelOptions(decode_split_keys=args.decode_split_keys)
+    kernels = cli.group_from(args, KernelOptions)
     model = build_model(hf, ModelOptions(params_dtype=dtype, kernel_options=kernels)).eval()
     scratch = tempfile.TemporaryDirectory()
     reference = hf_model_like(hf, model, scratch.name) if args.hf_group_sizes else None
@@ -263,7 +274,7 @@ def run(args) -> list[dict]:
             if args.profile:
                 Path(args.output_dir).mkdir(parents=True, exist_ok=True)
                 profile_decode(model, state, args.profile, args, generator,
-                               Path(args.output_dir) / f"{bench_stem('decode', args.model, args.tag)}_profile_{length}.txt")
+                               Path(args.output_dir) / f"{bench_stem('decode', _name(args), args.tag)}_profile_{length}.txt")
         finally:
             state.free()
         for group in args.hf_group_sizes:
@@ -292,7 +303,7 @@ def _lines(results, args) -> list[str]:
 
 
 def write(results, args, command) -> None:
-    lines = [f"# Decode benchmark: {args.model}", "", f"Command: `{command}`", "",
+    lines = [f"# Decode benchmark: {_name(args)}", "", f"Command: `{command}`", "",
              f"{args.new_tokens} tokens per sample, per-step time after {args.warmup_steps} steps, "
              f"bandwidth bound at {args.hbm_tbps} TB/s; our decode steps "
              + ("replayed from CUDA graphs." if any(r["cuda_graphs"] for p in results for r in p["ours"])
@@ -313,7 +324,7 @@ def write(results, args, command) -> None:
             lines.append(f"| {p['prompt_length']:,} | {r['group']} | {r['total_s']:.2f} | {r['prefill_s']:.2f} "
                          f"| {step} | {'' if r['peak_gib'] is None else f'{r['peak_gib']:.1f}'} "
                          f"| {r.get('tokens_match', '')} |")
-    write_bench_files(args.output_dir, bench_stem("decode", args.model, args.tag), dict(command=command, results=results),
+    write_bench_files(args.output_dir, bench_stem("decode", _name(args), args.tag), dict(command=command, results=results),
                       lines)
 
 

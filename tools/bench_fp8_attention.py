@@ -13,7 +13,8 @@ moves the model: the kernel's loss and cosine against bf16 should be no worse th
 emulation's.
 
     python tools/bench_fp8_attention.py --model qwen3.5-0.8b --max-position-embeddings 2200000 \\
-        --prompt-lengths 524288,1048576,2097152 --emulation-prompt-lengths 65536 --output-dir docs/bench
+        --prompt-lengths 524288,1048576,2097152 --emulation-prompt-lengths 65536 --response-length 1024 \\
+        --num-generations 2 --output-dir docs/bench
 
 ``--fp8-kernel emulated`` runs the same orchestration on the emulated cuDNN kernel
 (``emulated_sdpa_fp8``), on any machine (the CPU tests); its times say nothing.
@@ -30,13 +31,20 @@ import torch
 
 from megatron_longstraw.attention import fp8_capture_attention as fp8
 from megatron_longstraw.attention.sdpa_core import SDPACoreAttention, capture_attention_as
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
+from megatron_longstraw.config import cli
+from megatron_longstraw.config.benchmark import BenchOutputConfig, LongStrawBenchConfig
+from megatron_longstraw.config.grpo import GRPOConfig
+from megatron_longstraw.config.longstraw import LongStrawConfig
+from megatron_longstraw.config.model import ModelConfig
+from megatron_longstraw.config.parallel import ParallelSizes
+from megatron_longstraw.config.workload import WorkloadConfig
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.cost_model import prompt_flops
 from megatron_longstraw.longstraw.replay import replay_responses
 from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
 from megatron_longstraw.rollout.generate import full_vocab_logits
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capture_attention, emulated_sdpa_fp8
 from bench_output import bench_stem, write_bench_files  # tools/, beside this script
@@ -56,37 +64,36 @@ def comma_lengths(text: str, flag: str) -> list[int]:
     return values
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags: the shared ones from the configuration (``config/``), its own below."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3.5-0.8b", help="preset name, HF folder or config.json")
-    p.add_argument("--num-layers", type=int, default=None, help="keep the model's first N layers")
-    p.add_argument("--max-position-embeddings", type=int, default=None, help="override the preset's position budget")
-    p.add_argument("--prompt-lengths", default="524288,1048576,2097152", help="comma-separated prompt lengths")
-    p.add_argument("--emulation-prompt-lengths", default="65536",
+    cli.add_flags(p, ModelConfig, only=("model", "num_layers", "max_position_embeddings"))
+    cli.add_flags(p, WorkloadConfig, only=("prompt_lengths", "response_length"))
+    cli.add_flags(p, GRPOConfig, only=("num_generations",), about="responses replayed against each capture")
+    cli.add_flags(p, LongStrawConfig, only=("prompt_chunk_size",))
+    cli.add_flags(p, LongStrawBenchConfig, only=("warmup_prompt_length",))
+    cli.add_flags(p, BenchOutputConfig)
+    g = p.add_argument_group("FP8 attention")
+    g.add_argument("--emulation-prompt-lengths", default="65536",
                    help="comma-separated prompt lengths also captured with the exact FP8 emulation (short: "
-                        "it materializes each chunk's scores); empty for none")
-    p.add_argument("--prompt-chunk-size", type=int, default=32768, help="prompt tokens per capture chunk")
-    p.add_argument("--emulation-chunk-size", type=int, default=4096,
-                   help="capture chunk at the emulation's lengths (every variant of that length uses it)")
-    p.add_argument("--response-length", type=int, default=1024, help="tokens per replayed response")
-    p.add_argument("--num-generations", type=int, default=2, help="responses replayed against each capture")
-    p.add_argument("--warmup-prompt-length", type=int, default=65536,
-                   help="an unrecorded capture in each variant first (kernel compilation, cuDNN graphs); 0 skips it")
-    p.add_argument("--fp8-kernel", default="cudnn", choices=["cudnn", "emulated"],
+                        "it materializes each chunk's scores); empty for none (default: 65536)")
+    g.add_argument("--emulation-chunk-size", type=int, default=4096,
+                   help="capture chunk at the emulation's lengths (every variant of that length uses it) "
+                        "(default: 4096)")
+    g.add_argument("--fp8-kernel", default="cudnn", choices=["cudnn", "emulated"],
                    help="cudnn: cuDNN's sdpa_fp8 (Hopper, nvidia-cudnn-frontend); emulated: the same "
-                        "orchestration on its torch emulation (any machine, times meaningless)")
-    p.add_argument("--output-dir", default="docs/bench", help="folder for the JSON and Markdown results")
-    p.add_argument("--tag", default="", help="suffix for the output file names")
-    args = p.parse_args(argv)
-    args.prompt_lengths = comma_lengths(args.prompt_lengths, "--prompt-lengths")
+                        "orchestration on its torch emulation (any machine, times meaningless) (default: cudnn)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The tool's flags, the shared ones checked by their configuration groups."""
+    args = build_parser().parse_args(argv)
+    for group in (ModelConfig, WorkloadConfig, GRPOConfig, LongStrawConfig, LongStrawBenchConfig):
+        cli.group_from(args, group)
     args.emulation_prompt_lengths = comma_lengths(args.emulation_prompt_lengths, "--emulation-prompt-lengths")
-    if not args.prompt_lengths:
-        raise ValueError("--prompt-lengths: give at least one length")
-    for flag in ("prompt_chunk_size", "emulation_chunk_size", "response_length", "num_generations"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.warmup_prompt_length < 0:
-        raise ValueError(f"--warmup-prompt-length must be >= 0, got {args.warmup_prompt_length}")
+    if args.emulation_chunk_size < 1:
+        raise ValueError(f"--emulation-chunk-size must be >= 1, got {args.emulation_chunk_size}")
     return args
 
 
@@ -130,17 +137,13 @@ def main(argv=None) -> None:
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     init_distributed(ParallelSizes(), seed=1234)
     try:
-        hf = resolve_hf_config(args.model)
-        if args.num_layers:
-            hf = with_num_layers(hf, args.num_layers)
-        if args.max_position_embeddings:
-            hf = dict(hf, max_position_embeddings=args.max_position_embeddings)
+        hf = model_hf_config(cli.group_from(args, ModelConfig))
         torch.manual_seed(0)
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         model = build_model(hf, ModelOptions(params_dtype=dtype))
         cores = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
         if not cores:
-            raise ValueError(f"--model {args.model}: no full-attention layer for FP8 attention in the capture")
+            raise ValueError(f"--model {_name(args)}: no full-attention layer for FP8 attention in the capture")
         if args.fp8_kernel == "cudnn":
             fp8.check_supported([core.config.kv_channels for core in cores], device())
             kernel = fp8.fp8_capture_attention
@@ -182,13 +185,18 @@ def main(argv=None) -> None:
                                                        if emulate else ""), flush=True)
     finally:
         destroy_distributed()
-    print((Path(args.output_dir) / (bench_stem("fp8_attention", args.model, args.tag) + ".md")).read_text())
+    print((Path(args.output_dir) / (bench_stem("fp8_attention", _name(args), args.tag) + ".md")).read_text())
+
+
+def _name(args) -> str:
+    """The model as the results name it."""
+    return cli.group_from(args, ModelConfig).name
 
 
 def write_report(args, command, hf, rows) -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     dtype = "bf16" if torch.cuda.is_available() else "fp32"
-    lines = [f"# FP8 attention in the capture: {args.model} ({hf['num_hidden_layers']} layers, random weights, "
+    lines = [f"# FP8 attention in the capture: {_name(args)} ({hf['num_hidden_layers']} layers, random weights, "
              f"{dtype}), {gpu}", "", f"Command: `{command}`", "",
              f"FP8 kernel: {args.fp8_kernel}. {args.num_generations} responses of {args.response_length} tokens "
              "replayed against each capture; every figure against the capture of the same prompt without FP8. MFU: the "
@@ -207,7 +215,7 @@ def write_report(args, command, hf, rows) -> None:
                          f"| {v['loss_rel_err']:.1e} | {v['cosine']:.4f} |")
     lines += ["", "The emulation's capture times are those of a torch emulation, not of a kernel."
               + (" The FP8 kernel here is the emulated one too: no time says anything." if args.fp8_kernel == "emulated" else "")]
-    write_bench_files(args.output_dir, bench_stem("fp8_attention", args.model, args.tag),
+    write_bench_files(args.output_dir, bench_stem("fp8_attention", _name(args), args.tag),
                       dict(command=command, gpu=gpu, rows=rows), lines)
 
 

@@ -28,9 +28,9 @@ import time
 import torch
 
 from megatron_longstraw.attention import fp8_capture_attention as fp8
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.partials import expand_groups
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.testing.exact_attention import exact_chunk_attention
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_sdpa_fp8
 from bench_fp8_attention import comma_lengths  # tools/, beside this script

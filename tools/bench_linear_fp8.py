@@ -16,32 +16,42 @@ from collections import Counter
 
 import torch
 
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
+from megatron_longstraw.config import cli
+from megatron_longstraw.config.benchmark import BenchOutputConfig
+from megatron_longstraw.config.model import ModelConfig, PrecisionConfig
+from megatron_longstraw.config.parallel import ParallelSizes
+from megatron_longstraw.distributed import destroy_distributed, init_distributed
 from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions, have_transformer_engine
-from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
 from bench_output import bench_stem, write_bench_files  # tools/, beside this script
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags: the shared ones from the configuration (``config/``), its own below. One
+    period of a model's layer pattern (``--num-layers``) keeps its mix of linear shapes at a
+    fraction of its memory."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3.5-0.8b", help="preset name, HF folder or config.json")
-    p.add_argument("--num-layers", type=int, default=None,
-                   help="keep the model's first N layers (one period of its layer pattern keeps the whole "
-                        "model's mix of linear shapes at a fraction of its memory)")
-    p.add_argument("--tokens", type=int, default=32768, help="rows of each linear's input")
-    p.add_argument("--fp8-format", default="hybrid", help="hybrid or e4m3 (Megatron's --fp8-format)")
-    p.add_argument("--fp8-recipe", default="delayed", help="delayed, tensorwise, blockwise or mxfp8")
-    p.add_argument("--repeats", type=int, default=10, help="timed forward + backward passes per shape")
-    p.add_argument("--output-dir", default="docs/bench", help="folder for the JSON and Markdown results")
-    p.add_argument("--tag", default="", help="suffix for the output file names")
-    args = p.parse_args(argv)
+    cli.add_flags(p, ModelConfig, only=("model", "num_layers"))
+    cli.add_flags(p, PrecisionConfig, only=("fp8_format", "fp8_recipe"))
+    cli.add_flags(p, BenchOutputConfig)
+    g = p.add_argument_group("linear layers")
+    g.add_argument("--tokens", type=int, default=32768, help="rows of each linear's input (default: 32768)")
+    g.add_argument("--repeats", type=int, default=10, help="timed forward + backward passes per shape (default: 10)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The tool's flags, the shared ones checked by their configuration groups."""
+    args = build_parser().parse_args(argv)
+    cli.group_from(args, ModelConfig)
+    cli.group_from(args, PrecisionConfig)
     if not torch.cuda.is_available() or not have_transformer_engine():
         raise ValueError("tools/bench_linear_fp8.py needs a CUDA GPU and Transformer Engine")
+    if args.fp8_format is None:
+        raise ValueError("tools/bench_linear_fp8.py compares FP8 with bf16: give --fp8-format")
     if args.tokens < 1 or args.repeats < 1:
         raise ValueError("--tokens and --repeats must be >= 1")
-    if args.num_layers is not None and args.num_layers < 1:
-        raise ValueError(f"--num-layers must be >= 1, got {args.num_layers}")
     return args
 
 
@@ -82,9 +92,8 @@ def main(argv=None) -> None:
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     init_distributed(ParallelSizes(), seed=1234)
     try:
-        hf = resolve_hf_config(args.model)
-        if args.num_layers:
-            hf = with_num_layers(hf, args.num_layers)
+        model_config = cli.group_from(args, ModelConfig)
+        hf = model_hf_config(model_config)
         model = build_model(hf, ModelOptions(params_dtype=torch.bfloat16, transformer_impl="transformer_engine",
                                              fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe))
         shapes, config = linear_shapes(model), model.config
@@ -102,14 +111,14 @@ def main(argv=None) -> None:
         destroy_distributed()
     speedup = totals["bf16"] / totals["fp8"]
     layers = f", first {hf['num_hidden_layers']} layers" if args.num_layers else ""
-    lines = [f"# Linear layers of {args.model}{layers}: FP8 ({args.fp8_format}/{args.fp8_recipe}) vs bf16", "",
+    lines = [f"# Linear layers of {model_config.name}{layers}: FP8 ({args.fp8_format}/{args.fp8_recipe}) vs bf16", "",
              f"Command: `{command}`", "", f"{args.tokens} rows per linear, forward + backward.", "",
              "| in | out | layers | bf16 TFLOP/s | FP8 TFLOP/s | speedup |", "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['in_features']} | {r['out_features']} | {r['count']} | {r['bf16_tflops']:.0f} | "
               f"{r['fp8_tflops']:.0f} | {r['bf16_s'] / r['fp8_s']:.2f} |" for r in rows]
     lines += ["", f"Whole model's linear layers: bf16 {totals['bf16'] * 1e3:.1f} ms, FP8 {totals['fp8'] * 1e3:.1f} ms "
               f"per {args.tokens} tokens: **{speedup:.2f}x**."]
-    write_bench_files(args.output_dir, bench_stem("linear_fp8", args.model, args.tag),
+    write_bench_files(args.output_dir, bench_stem("linear_fp8", model_config.name, args.tag),
                       dict(command=command, rows=rows, totals_s=totals, speedup=speedup), lines)
     print("\n".join(lines))
 

@@ -11,7 +11,6 @@ Example (GPU host):
         --group-sizes 2,8 --response-length 8192 --modes longstraw,full --output-dir docs/bench
 """
 
-import argparse
 import contextlib
 import gc
 import json
@@ -21,7 +20,10 @@ import time
 
 import torch
 
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
+from megatron_longstraw.config import cli
+from megatron_longstraw.config.benchmark import BenchmarkConfig
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed
 from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.cost_model import memory_floor_bytes, prompt_flops
@@ -30,79 +32,23 @@ from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_s
 from megatron_longstraw.longstraw.replay import replay_responses
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
 from megatron_longstraw.planning.hardware import gib_of_gb
 from megatron_longstraw.planning.measured import bench_plan
 from megatron_longstraw.planning.planner import model_profile
-from megatron_longstraw.training.arguments import add_kernel_flags, kernel_options_from_args
 from bench_output import bench_stem, write_bench_files  # tools/, beside this script
 
 PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (../shared/offline-gpu/README.md)
 GiB = 2 ** 30
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3.5-0.8b", help="preset name, HF folder or config.json")
-    p.add_argument("--prompt-lengths", default="131072", help="comma-separated prompt lengths, one point each")
-    p.add_argument("--group-sizes", default="2,8", help="comma-separated G (responses per prompt), one point each")
-    p.add_argument("--response-length", type=int, default=8192, help="tokens per response")
-    p.add_argument("--modes", default="longstraw,full",
-                   help="longstraw (capture once, replay each response) and/or full (the full graph per response)")
-    p.add_argument("--full-prompt-lengths", default=None,
-                   help="prompt lengths for the full-graph mode (default: --prompt-lengths)")
-    p.add_argument("--prompt-chunk-size", type=int, default=32768, help="prompt tokens per capture chunk")
-    p.add_argument("--replay-micro-batch-size", type=int, default=1, help="responses replayed together")
-    p.add_argument("--prompt-gradient", default="detached", choices=["detached", "exact"],
-                   help="exact: replay accumulates the prompt state's gradients, then the reverse sweep "
-                        "over the prompt (timed as prompt_backward_s); full mode: no detach")
-    p.add_argument("--full-max-group", type=int, default=1,
-                   help="full mode replays at most this many responses (its time is per sample)")
-    p.add_argument("--warmup-prompt-length", type=int, default=65536,
-                   help="an unrecorded point per mode first, so kernel compilation and autotuning "
-                        "(minutes on a fresh host) count in no measured point; 0 skips it")
-    p.add_argument("--num-layers", type=int, default=None,
-                   help="keep the model's first N layers (same widths, reduced depth: a run scaled to fewer GPUs)")
-    p.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="override the preset's position budget (RoPE extrapolation, as Megatron's flag)")
-    p.add_argument("--context-parallel-size", type=int, default=1,
-                   help="shard the prompt over this many ranks (launch with torchrun --nproc_per_node N); "
-                        "LongStraw mode only")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="split the layers over this many stages (launch with torchrun --nproc_per_node N); "
-                        "replay runs through Megatron's pipeline schedule; LongStraw mode only")
-    p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=1,
-                   help="model chunks per pipeline stage (Megatron's interleaved schedule)")
-    p.add_argument("--transformer-impl", default="local", help="local or transformer_engine (Megatron's flag)")
-    p.add_argument("--fp8-format", default=None, help="hybrid or e4m3 (needs --transformer-impl transformer_engine)")
-    p.add_argument("--fp8-recipe", default="delayed", help="delayed, tensorwise, blockwise or mxfp8")
-    p.add_argument("--memory-limit-gb", type=float, default=None,
-                   help="let the process allocate at most this many GB (10^9 bytes, as tools/plan_budget.py's "
-                        "--gpu-memory-gb) of the GPU (torch.cuda.set_per_process_memory_fraction): every point "
-                        "runs, and is planned, as on a GPU with that much memory")
-    p.add_argument("--output-dir", default="docs/bench", help="folder for the JSON, Markdown and PNG results")
-    p.add_argument("--tag", default="", help="suffix for the output file names")
-    add_kernel_flags(p.add_argument_group("kernels", "the attention kernels' backend and block sizes"))
-    args = p.parse_args(argv)
-    args.kernels = kernel_options_from_args(args)
-    for flag in ("prompt_lengths", "group_sizes", "modes"):
-        setattr(args, flag, [x for x in getattr(args, flag).split(",") if x])
-    args.prompt_lengths = [int(x) for x in args.prompt_lengths]
-    args.full_prompt_lengths = ([int(x) for x in args.full_prompt_lengths.split(",") if x]
-                                if args.full_prompt_lengths else args.prompt_lengths)
-    args.group_sizes = [int(x) for x in args.group_sizes]
-    bad = set(args.modes) - {"longstraw", "full"}
-    if bad:
-        raise ValueError(f"--modes: unknown mode(s) {sorted(bad)}; use longstraw and/or full")
-    if args.context_parallel_size > 1 and "full" in args.modes:
-        raise ValueError(f"--context-parallel-size {args.context_parallel_size}: the full-graph mode runs "
-                         "on one rank; use --modes longstraw")
-    if args.memory_limit_gb is not None and args.memory_limit_gb <= 0:
-        raise ValueError(f"--memory-limit-gb {args.memory_limit_gb}: must be positive")
-    if args.pipeline_model_parallel_size > 1 and "full" in args.modes:
-        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the full-graph "
-                         "mode runs on one rank; use --modes longstraw")
-    return args
+def build_parser():
+    """The benchmark's command line (``config/benchmark.py``'s ``BenchmarkConfig``)."""
+    return cli.build_parser(BenchmarkConfig, description=__doc__)
+
+
+def parse_args(argv=None) -> BenchmarkConfig:
+    """The benchmark's configuration of the command line ``argv``."""
+    return cli.parse(BenchmarkConfig, argv, build_parser())[0]
 
 
 def _sync():
@@ -218,53 +164,56 @@ def _loss_fn(total_tokens):
     return lambda logprobs_RB, mask_RB, indices: -(logprobs_RB * mask_RB).sum() / total_tokens
 
 
-def _planned(hf, prompt_length, group, args) -> dict | None:
+def _planned(hf, prompt_length, group, config: BenchmarkConfig) -> dict | None:
     """The budget planner's prediction for a LongStraw point (``planning/``, the formulas of
     ``tools/plan_budget.py``): peak and floor GiB, whether it fits (``--memory-limit-gb`` or
     the H200), capture, replay per response and sweep s."""
     profile = model_profile(hf)
     if profile is None:  # a family without plan_profile: nothing to predict
         return None
-    plan = bench_plan(profile, cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size,
-                      vpp=args.num_virtual_stages_per_pipeline_rank, prompt_length=prompt_length,
-                      response_length=args.response_length, group=group, prompt_gradient=args.prompt_gradient,
-                      chunk_size=args.prompt_chunk_size, micro_batch_size=args.replay_micro_batch_size,
-                      memory_gib=_memory_limit_gib(args))
+    parallel, longstraw = config.parallel, config.longstraw
+    plan = bench_plan(profile, cp=parallel.context_parallel_size, pp=parallel.pipeline_model_parallel_size,
+                      vpp=parallel.num_virtual_stages_per_pipeline_rank, prompt_length=prompt_length,
+                      response_length=config.workload.response_length, group=group,
+                      prompt_gradient=longstraw.prompt_gradient, chunk_size=longstraw.prompt_chunk_size,
+                      micro_batch_size=longstraw.replay_micro_batch_size, memory_gib=_memory_limit_gib(config))
     return dict(peak_gib=plan.memory.peak, floor_gib=plan.memory.floor, fits=plan.fits, capture_s=plan.time.capture,
                 replay_s=plan.time.replay / group, prompt_backward_s=plan.time.prompt_backward)
 
 
-def _memory_limit_gib(args) -> float | None:
+def _memory_limit_gib(config: BenchmarkConfig) -> float | None:
     """``--memory-limit-gb`` in GiB (``None``: the whole GPU)."""
-    return gib_of_gb(args.memory_limit_gb) if args.memory_limit_gb is not None else None
+    return gib_of_gb(config.bench.memory_limit_gb) if config.bench.memory_limit_gb is not None else None
 
 
-def limit_memory(args) -> None:
+def limit_memory(config: BenchmarkConfig) -> None:
     """Cap what this process's caching allocator may reserve at ``--memory-limit-gb``."""
-    if args.memory_limit_gb is None or not torch.cuda.is_available():
+    if config.bench.memory_limit_gb is None or not torch.cuda.is_available():
         return
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if args.memory_limit_gb * 1e9 > total:
-        raise ValueError(f"--memory-limit-gb {args.memory_limit_gb}: more than the GPU's {total / 1e9:.1f} GB")
-    torch.cuda.set_per_process_memory_fraction(args.memory_limit_gb * 1e9 / total)
+    if config.bench.memory_limit_gb * 1e9 > total:
+        raise ValueError(f"--memory-limit-gb {config.bench.memory_limit_gb}: more than the GPU's {total / 1e9:.1f} GB")
+    torch.cuda.set_per_process_memory_fraction(config.bench.memory_limit_gb * 1e9 / total)
 
 
-def run_point(model, optimizer, hf, mode, prompt_length, group, args):
+def run_point(model, optimizer, hf, mode, prompt_length, group, config: BenchmarkConfig):
     """One (mode, prompt length, G) point; returns a result dict (``oom`` on out of memory)."""
     gen = torch.Generator(device=device()).manual_seed(prompt_length + group)
     prompt = torch.randint(0, hf["vocab_size"], (1, prompt_length), device=device(), generator=gen)
-    responses = [torch.randint(0, hf["vocab_size"], (args.response_length,), device=device(), generator=gen)
+    response_length, parallel, precision = config.workload.response_length, config.parallel, config.precision
+    responses = [torch.randint(0, hf["vocab_size"], (response_length,), device=device(), generator=gen)
                  for _ in range(group)]
-    loss_fn = _loss_fn(group * args.response_length)
-    exact, peak_before_sweep = args.prompt_gradient == "exact", 0.0
-    result = dict(mode=mode, prompt_gradient=args.prompt_gradient, prompt_length=prompt_length, group=group, response_length=args.response_length,
-                  context_parallel=args.context_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size,
-                  virtual_stages=args.num_virtual_stages_per_pipeline_rank,
-                  transformer_impl=args.transformer_impl,
-                  fp8=f"{args.fp8_format}/{args.fp8_recipe}" if args.fp8_format else None,
-                  warmup_prompt_length=args.warmup_prompt_length, memory_limit_gib=_memory_limit_gib(args))
-    if mode == "longstraw" and args.transformer_impl == "local":
-        result["planned"] = _planned(hf, prompt_length, group, args)
+    loss_fn = _loss_fn(group * response_length)
+    exact, peak_before_sweep = config.longstraw.exact, 0.0
+    result = dict(mode=mode, prompt_gradient=config.longstraw.prompt_gradient, prompt_length=prompt_length, group=group,
+                  response_length=response_length, context_parallel=parallel.context_parallel_size,
+                  pipeline_parallel=parallel.pipeline_model_parallel_size,
+                  virtual_stages=parallel.num_virtual_stages_per_pipeline_rank,
+                  transformer_impl=config.model.transformer_impl,
+                  fp8=f"{precision.fp8_format}/{precision.fp8_recipe}" if precision.fp8_format else None,
+                  warmup_prompt_length=config.bench.warmup_prompt_length, memory_limit_gib=_memory_limit_gib(config))
+    if mode == "longstraw" and config.model.transformer_impl == "local":
+        result["planned"] = _planned(hf, prompt_length, group, config)
     _sync()
     if torch.cuda.is_available():  # what the earlier points left behind shows here
         result["allocated_at_start_gib"] = torch.cuda.memory_allocated() / GiB
@@ -274,7 +223,7 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
         if mode == "longstraw":
             split = {}
             with capture_split(model, hf, split):
-                state = capture_prompt(model, prompt, args.prompt_chunk_size, exact=exact)
+                state = capture_prompt(model, prompt, config.longstraw.prompt_chunk_size, exact=exact)
             _sync()
             result["capture_s"] = time.perf_counter() - start
             if split:
@@ -282,17 +231,17 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
                 result["capture_split_s"] = split
             result["capture_peak_gib"] = _peak_gib()
             result["state_gib"] = state.nbytes() / GiB
-            flops = prompt_flops(hf, model, prompt_length) if args.pipeline_model_parallel_size == 1 else None
+            flops = prompt_flops(hf, model, prompt_length) if parallel.pipeline_model_parallel_size == 1 else None
             if flops is not None:  # (per stage under PP: not counted)
                 result["capture_tflops"] = flops / result["capture_s"] / 1e12
-                result["capture_mfu"] = result["capture_tflops"] / (PEAK_TFLOPS * args.context_parallel_size)
+                result["capture_mfu"] = result["capture_tflops"] / (PEAK_TFLOPS * parallel.context_parallel_size)
             replay_times = []
             state_tensors = [t for layer in state.layers.values() for t in layer.tensors().values()]
             meter = SavedTensorMeter([*model.parameters(), *state_tensors, state.last_hidden_1BH])
-            mbs = args.replay_micro_batch_size
+            mbs = config.longstraw.replay_micro_batch_size
             # one micro-batch measured alone (its activations: the floor's term); under PP the rest
             # then go through the pipeline schedule in one call, per micro-batch time its mean
-            batches = ([responses[i:i + mbs] for i in range(0, group, mbs)] if args.pipeline_model_parallel_size == 1
+            batches = ([responses[i:i + mbs] for i in range(0, group, mbs)] if parallel.pipeline_model_parallel_size == 1
                        else [b for b in (responses[:mbs], responses[mbs:]) if b])
             for i, batch in enumerate(batches):
                 t0 = time.perf_counter()
@@ -320,10 +269,10 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
                 result["prompt_backward_over_capture"] = result["prompt_backward_s"] / result["capture_s"]
                 if flops is not None:  # model FLOPs of a forward recompute and its backward (2x)
                     result["prompt_backward_mfu"] = (3 * flops / result["prompt_backward_s"] / 1e12
-                                                     / (PEAK_TFLOPS * args.context_parallel_size))
+                                                     / (PEAK_TFLOPS * parallel.context_parallel_size))
         else:
             replay_times = []
-            for response in responses[: args.full_max_group]:
+            for response in responses[: config.bench.full_max_group]:
                 t0 = time.perf_counter()
                 full_graph_responses(model, prompt, [response], loss_fn, exact=exact)
                 _sync()
@@ -337,7 +286,7 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
         result["step_s"] = time.perf_counter() - start
         peak = max(_peak_gib(), peak_before_sweep)
         result["peak_gib"] = _max_over_ranks(peak)
-        if args.pipeline_model_parallel_size > 1:
+        if config.parallel.pipeline_model_parallel_size > 1:
             result["stage_peak_gib"] = _per_stage(peak)
         if torch.cuda.is_available():
             result["device_gib"] = torch.cuda.mem_get_info()[1] / GiB
@@ -355,7 +304,7 @@ def run_point(model, optimizer, hf, mode, prompt_length, group, args):
             result["floor_activation_gib"] = _max_over_ranks(activation_bytes / GiB)
             result["floor_gib"] = _max_over_ranks(floor)  # per rank: this rank's (stage's) parameters
             result["peak_over_floor"] = _max_over_ranks(peak / floor)
-            if args.pipeline_model_parallel_size > 1:
+            if config.parallel.pipeline_model_parallel_size > 1:
                 result["stage_floor_gib"] = _per_stage(floor)
             state.free()
     except torch.OutOfMemoryError:
@@ -407,10 +356,10 @@ def _cell(value, spec):
     return "" if value is None or value != value else format(value, spec)
 
 
-def write_outputs(results, args, command, quiet=False):
-    stem = bench_stem("bench", args.model, args.tag)
-    lines = [f"# LongStraw benchmark: {args.model}", "", f"Command: `{command}`", "",
-             f"Prompt gradient: {args.prompt_gradient}.", "",
+def write_outputs(results, config: BenchmarkConfig, command, quiet=False):
+    stem = bench_stem("bench", config.model.name, config.output.tag)
+    lines = [f"# LongStraw benchmark: {config.model.name}", "", f"Command: `{command}`", "",
+             f"Prompt gradient: {config.longstraw.prompt_gradient}.", "",
              "| mode | CP | PP | prompt | G | capture s | capture MFU | replay s (mean) | prompt bwd s | per-sample s | step s | state GiB | state grad GiB | act GiB | peak GiB | floor GiB | peak/floor | planned peak GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
@@ -460,7 +409,7 @@ def write_outputs(results, args, command, quiet=False):
         lines += [f"| {r['prompt_length']} | {r['group']} | " + " | ".join(
             f"{r['capture_split_s'].get(k, 0.0):.2f}" for k in ("indexer", "sparse_attention", "moe", "rest")) + " |"
             for r in splits]
-    out = write_bench_files(args.output_dir, stem, dict(command=command, results=results), lines)
+    out = write_bench_files(config.output.output_dir, stem, dict(command=command, results=results), lines)
     _plot(results, out / f"{stem}.png", command)
     if not quiet:
         print("\n".join(lines))
@@ -498,45 +447,39 @@ def _plot(results, path, command):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    config = parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
-    init_distributed(ParallelSizes(context=args.context_parallel_size, pipeline=args.pipeline_model_parallel_size,
-                                   virtual_pipeline=args.num_virtual_stages_per_pipeline_rank), seed=1234)
+    init_distributed(config.parallel.sizes, seed=1234)
     rank0 = torch.distributed.get_rank() == 0
-    limit_memory(args)
-    hf = resolve_hf_config(args.model)
-    if args.num_layers:
-        hf = with_num_layers(hf, args.num_layers)
-    if args.max_position_embeddings:
-        hf["max_position_embeddings"] = args.max_position_embeddings
+    limit_memory(config)
+    hf = model_hf_config(config.model)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     results = []
     try:
-        for mode in args.modes:
-            model = build_stage_model(hf, ModelOptions(params_dtype=dtype, transformer_impl=args.transformer_impl,
-                                                 fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
-                                                 recompute_granularity="full" if mode == "full" else None,
-                                                 kernel_options=args.kernels))
-            if args.prompt_gradient == "exact" and mode == "longstraw":
+        for mode in config.bench.modes:
+            options = ModelOptions.of(config.model, config.precision, kernels=config.kernels, params_dtype=dtype,
+                                      recompute_granularity="full" if mode == "full" else None)
+            model = build_stage_model(hf, options)
+            if config.longstraw.exact and mode == "longstraw":
                 check_prompt_gradient_support(model)
             optimizer = _optimizer(model)
-            if args.warmup_prompt_length:
-                warm = run_point(model, optimizer, hf, mode, args.warmup_prompt_length, 1, args)
+            if config.bench.warmup_prompt_length:
+                warm = run_point(model, optimizer, hf, mode, config.bench.warmup_prompt_length, 1, config)
                 if rank0:
                     print(json.dumps(dict(warmup=True, **warm)), flush=True)
-            for length in (args.prompt_lengths if mode == "longstraw" else args.full_prompt_lengths):
-                for group in (args.group_sizes if mode == "longstraw" else [1]):
-                    result = run_point(model, optimizer, hf, mode, length, group, args)
+            for length in (config.workload.prompt_lengths if mode == "longstraw" else config.full_prompt_lengths):
+                for group in (config.workload.group_sizes if mode == "longstraw" else [1]):
+                    result = run_point(model, optimizer, hf, mode, length, group, config)
                     results.append(result)
                     if rank0:
                         print(json.dumps(result), flush=True)
-                        write_outputs(results, args, command, quiet=True)  # partial results survive a kill
+                        write_outputs(results, config, command, quiet=True)  # partial results survive a kill
             del model, optimizer
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     finally:
         destroy_distributed()
     if results and rank0:
-        write_outputs(results, args, command)
+        write_outputs(results, config, command)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ with the command into ``--output-dir``.
 
 Example (GPU host):
     python tools/exact_gradient_check.py --model qwen3.5-0.8b --prompt-length 32768 \\
-        --group-size 2 --response-length 8192 --output-dir docs/bench
+        --group-size 2 --response-length 8192 --prompt-chunk-size 8192 --seed 0 --output-dir docs/bench
 """
 
 import argparse
@@ -22,36 +22,48 @@ import time
 
 import torch
 
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
+from megatron_longstraw.config import cli
+from megatron_longstraw.config.benchmark import BenchOutputConfig
+from megatron_longstraw.config.longstraw import LongStrawConfig
+from megatron_longstraw.config.model import ModelConfig
+from megatron_longstraw.config.parallel import ParallelSizes
+from megatron_longstraw.config.training import TrainingConfig
+from megatron_longstraw.config.workload import WorkloadConfig
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_responses
 from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support
 from megatron_longstraw.longstraw.replay import replay_responses
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
 from megatron_longstraw.testing.parity import exact_gradients
 from bench_output import bench_stem, write_bench_files  # tools/, beside this script
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags: the shared ones from the configuration (``config/``), its own below."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3.5-0.8b", help="preset name or HF config")
-    p.add_argument("--prompt-length", type=int, default=32768, help="prompt tokens")
-    p.add_argument("--group-size", type=int, default=2, help="responses per prompt (G)")
-    p.add_argument("--response-length", type=int, default=8192, help="tokens per response")
-    p.add_argument("--prompt-chunk-size", type=int, default=8192, help="capture chunk size")
-    p.add_argument("--num-layers", type=int, default=None, help="keep the model's first N layers")
-    p.add_argument("--norm-floor", type=float, default=1e-3,
+    cli.add_flags(p, ModelConfig, only=("model", "num_layers"))
+    cli.add_flags(p, WorkloadConfig, only=("prompt_length", "response_length"))
+    cli.add_flags(p, LongStrawConfig, only=("prompt_chunk_size",))
+    cli.add_flags(p, TrainingConfig, only=("seed",))
+    cli.add_flags(p, BenchOutputConfig)
+    g = p.add_argument_group("gradient check")
+    g.add_argument("--group-size", type=int, default=2, help="responses per prompt (G) (default: 2)")
+    g.add_argument("--norm-floor", type=float, default=1e-3,
                    help="per-tensor cosines count tensors whose full-graph gradient norm is at least this "
-                        "fraction of the largest tensor's")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens")
-    p.add_argument("--output-dir", default="docs/bench", help="where the JSON and markdown go")
-    p.add_argument("--tag", default="", help="suffix for the output file names")
-    args = p.parse_args(argv)
-    for flag in ("prompt_length", "group_size", "response_length", "prompt_chunk_size"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+                        "fraction of the largest tensor's (default: 0.001)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The tool's flags, the shared ones checked by their configuration groups."""
+    args = build_parser().parse_args(argv)
+    for group in (ModelConfig, WorkloadConfig, LongStrawConfig, TrainingConfig):
+        cli.group_from(args, group)
+    if args.group_size < 1:
+        raise ValueError(f"--group-size must be at least 1, got {args.group_size}")
     return args
 
 
@@ -88,9 +100,8 @@ def main(argv=None):
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     init_distributed(ParallelSizes(), seed=1234 + args.seed)
     try:
-        hf = resolve_hf_config(args.model)
-        if args.num_layers:
-            hf = with_num_layers(hf, args.num_layers)
+        model_config = cli.group_from(args, ModelConfig)
+        hf = model_hf_config(model_config)
         hf["max_position_embeddings"] = max(hf.get("max_position_embeddings", 0),
                                             args.prompt_length + args.response_length)
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -121,7 +132,7 @@ def main(argv=None):
         state.free()
         detached = _grads(model)
         times["detached_s"] = time.perf_counter() - t0
-        result = dict(model=args.model, prompt_length=args.prompt_length, group=args.group_size,
+        result = dict(model=model_config.name, prompt_length=args.prompt_length, group=args.group_size,
                       response_length=args.response_length, chunk=args.prompt_chunk_size, dtype=str(dtype),
                       exact_vs_full=compare(exact, full, args.norm_floor),
                       detached_vs_full=compare(detached, full, args.norm_floor),
@@ -130,7 +141,7 @@ def main(argv=None):
         destroy_distributed()
     rows = [("exact vs full graph", result["exact_vs_full"]), ("detached vs full graph", result["detached_vs_full"]),
             ("detached vs exact", result["detached_vs_exact"])]
-    lines = [f"# Exact prompt gradients against the full graph: {args.model}", "", f"Command: `{command}`", "",
+    lines = [f"# Exact prompt gradients against the full graph: {model_config.name}", "", f"Command: `{command}`", "",
              f"Prompt {args.prompt_length:,} tokens, G = {args.group_size} responses of {args.response_length:,}, "
              f"chunks of {args.prompt_chunk_size:,}, {dtype}, random weights. Per-tensor cosines over the tensors "
              f"whose full-graph gradient norm is at least {args.norm_floor:g} of the largest.", "",
@@ -140,7 +151,7 @@ def main(argv=None):
               f"| {len(c['below_0_99'])} |" for label, c in rows]
     lines += ["", f"Times (s): full graph {result['full_graph_s']:.1f}, exact {result['exact_s']:.1f}, "
               f"detached {result['detached_s']:.1f} (the first includes kernel compilation)."]
-    out = write_bench_files(args.output_dir, bench_stem("exact_gradient", args.model, args.tag),
+    out = write_bench_files(args.output_dir, bench_stem("exact_gradient", model_config.name, args.tag),
                             dict(command=command, result=result), lines)
     print("\n".join(lines))
     print(f"written to {out}")

@@ -13,7 +13,8 @@ reports how the relative error of the hidden states grows layer by layer under F
 emulation's cosine is as low as Transformer Engine's, the low cosine is FP8's own effect on the
 model; if TE's is lower, TE adds an error of its own.
 
-    python tools/fp8_sensitivity.py --model qwen3.5-0.8b --prompt-length 1024 --response-length 256
+    python tools/fp8_sensitivity.py --model qwen3.5-0.8b --prompt-length 1024 --response-length 256 \\
+        --num-generations 2 --prompt-chunk-size 1024
 """
 
 import argparse
@@ -23,12 +24,19 @@ import time
 
 import torch
 
-from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, device, init_distributed
+from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
+from megatron_longstraw.config import cli
+from megatron_longstraw.config.benchmark import BenchOutputConfig
+from megatron_longstraw.config.grpo import GRPOConfig
+from megatron_longstraw.config.longstraw import LongStrawConfig
+from megatron_longstraw.config.model import ModelConfig
+from megatron_longstraw.config.parallel import ParallelSizes
+from megatron_longstraw.config.workload import WorkloadConfig
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed
+from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
-from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
-from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.rollout.generate import full_vocab_logits
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capture_attention
 from megatron_longstraw.testing.fp8_emulation import emulated_fp8_linears, switched_linears
@@ -45,20 +53,22 @@ VARIANTS = {  # name: (recipe, passes); "bf16" rounds the same GEMM operands to 
 }
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags, all shared ones from the configuration (``config/``)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3.5-0.8b")
-    p.add_argument("--num-layers", type=int, default=None, help="the model's widths at this depth")
-    p.add_argument("--prompt-length", type=int, default=1024)
-    p.add_argument("--response-length", type=int, default=256)
-    p.add_argument("--num-generations", type=int, default=2)
-    p.add_argument("--prompt-chunk-size", type=int, default=1024)
-    p.add_argument("--output-dir", default="docs/bench")
-    p.add_argument("--tag", default="")
-    args = p.parse_args(argv)
-    for flag in ("prompt_length", "response_length", "num_generations", "prompt_chunk_size"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    cli.add_flags(p, ModelConfig, only=("model", "num_layers"))
+    cli.add_flags(p, WorkloadConfig, only=("prompt_length", "response_length"))
+    cli.add_flags(p, GRPOConfig, only=("num_generations",))
+    cli.add_flags(p, LongStrawConfig, only=("prompt_chunk_size",))
+    cli.add_flags(p, BenchOutputConfig)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The tool's flags, checked by their configuration groups."""
+    args = build_parser().parse_args(argv)
+    for group in (ModelConfig, WorkloadConfig, GRPOConfig, LongStrawConfig):
+        cli.group_from(args, group)
     return args
 
 
@@ -136,9 +146,7 @@ def main(argv=None) -> None:
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     init_distributed(ParallelSizes(), seed=1234)
     try:
-        hf = resolve_hf_config(args.model)
-        if args.num_layers:
-            hf = with_num_layers(hf, args.num_layers)
+        hf = model_hf_config(cli.group_from(args, ModelConfig))
         torch.manual_seed(0)
         model = build_model(hf, ModelOptions())
         gen = torch.Generator().manual_seed(0)
@@ -166,7 +174,8 @@ def main(argv=None) -> None:
 
 
 def write_report(args, command, hf, rows, layers, seconds) -> None:
-    lines = [f"# FP8 sensitivity of {args.model} ({hf['num_hidden_layers']} layers, random weights), emulated", "",
+    model_name = cli.group_from(args, ModelConfig).name
+    lines = [f"# FP8 sensitivity of {model_name} ({hf['num_hidden_layers']} layers, random weights), emulated", "",
              f"Command: `{command}` ({seconds:.0f} s)", "",
              f"Prompt {args.prompt_length} tokens, {args.num_generations} responses of {args.response_length}; "
              "reference: the same model without rounding, fp32.", "",
@@ -185,7 +194,7 @@ def write_report(args, command, hf, rows, layers, seconds) -> None:
     summary = {name: {k: v for k, v in row.items() if k != "per_param"} for name, row in rows.items()}
     record = dict(command=command, variants=summary, layer_rel_err=layers,
                   per_param={name: row["per_param"] for name, row in rows.items()})
-    write_bench_files(args.output_dir, bench_stem("fp8_sensitivity", args.model, args.tag), record, lines)
+    write_bench_files(args.output_dir, bench_stem("fp8_sensitivity", model_name, args.tag), record, lines)
     print("\n".join(lines))
 
 

@@ -36,9 +36,10 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 
 from megatron_longstraw.attention.dsa_blockwise import (
     candidate_positions, merge_candidates, sparse_latent_partial, topk_candidates)
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.attention.partials import (
     merge_partials, merge_partials_over_group_own_rows, merge_partials_over_group_with_grad)
+from megatron_longstraw.core.binding import CaptureBinding, SweepBinding
 from megatron_longstraw.core.collectives import all_gather_rows_with_grad
 
 
@@ -128,9 +129,10 @@ def up_project(out_SBNC: torch.Tensor, up_v_weight: torch.Tensor) -> torch.Tenso
     return out.view(out.size(0), out.size(1), -1)
 
 
-def chunk_query_positions(binding, group, device) -> tuple[int, torch.Tensor]:
-    """CAPTURE under CP: ``(this rank's first row in the chunk, the global positions of all the
-    chunk's queries)``, from the binding's shard sizes and this rank's position offset."""
+def chunk_query_positions(binding: CaptureBinding | SweepBinding, group, device) -> tuple[int, torch.Tensor]:
+    """A chunk's shard under CP (capture, the reverse sweep): ``(this rank's first row in the
+    chunk, the global positions of all the chunk's queries)``, from the binding's shard sizes and
+    this rank's position offset."""
     sizes = binding.shard_sizes
     mine = sum(sizes[:dist.get_rank(group)])
     chunk_start = binding.position_offset - mine

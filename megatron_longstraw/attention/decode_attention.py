@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 
 from megatron_longstraw.attention.decode_merge_triton import decode_merge
-from megatron_longstraw.attention.kernel_options import MAX_DECODE_SPLITS, KernelOptions
+from megatron_longstraw.attention.kernel_options import MAX_DECODE_SPLITS
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.attention.partials import (
     default_scale, empty_partial, expand_groups, kernel_settings, merge_partials, merge_partials_over_group,
     merge_stacked_partials, softmax_partial)

@@ -32,8 +32,8 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.partials import empty_partial, softmax_partial
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.patches.dsa_causal_topk import causal_topk, dsa
 
 

@@ -50,8 +50,8 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.partials import default_scale, expand_groups, merge_partials
+from megatron_longstraw.config.kernels import KernelOptions
 
 FLAG = "--fp8-attention capture"
 E4M3_MAX = 448.0

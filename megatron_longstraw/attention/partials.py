@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 
 _EMPTY = float("-inf")  # the log-sum-exp of a partial over no key
 

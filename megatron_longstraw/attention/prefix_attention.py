@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.partials import default_scale, expand_groups
 from megatron_longstraw.attention.prefix_attention_cuda import prefix_causal_attention_cuda
+from megatron_longstraw.config.kernels import KernelOptions
 
 
 def prefix_causal_attention_math(q_SBHD, k_SBGD, v_SBGD, prefix_k_SBGD=None, prefix_v_SBGD=None,

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.attention.partials import (
     default_scale, empty_partial, expand_groups, kernel_settings, merge_partials, merge_partials_over_group,
     softmax_partial)

@@ -27,10 +27,11 @@ from megatron_longstraw.attention.cp_attention import (
 from megatron_longstraw.attention.decode_attention import decode_attention
 from megatron_longstraw.attention.kernel_options import UsesKernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
-from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
+from megatron_longstraw.core.binding import (
+    CaptureBinding, DecodeBinding, ReferenceBinding, ReplayBinding, StatefulModule, SweepBinding, detach_prefix,
+    pad_rows_to, read_state)
 from megatron_longstraw.core.collectives import context_parallel_group
 from megatron_longstraw.core.state import LayerState
-from megatron_longstraw.core.state_grad import read_with_grad
 
 
 @dataclass
@@ -62,8 +63,8 @@ class AttentionKVState(LayerState):
 
     def write_at(self, start_t: torch.Tensor, key_SBGD: torch.Tensor, value_SBGD: torch.Tensor) -> None:
         """Write keys/values at the rows from ``start_t`` (a one-element device tensor) on: the
-        fixed-shape append of ``Binding.static_decode``, whose count lives on the device (``length``,
-        the Python count, is left alone)."""
+        fixed-shape append of ``DecodeBinding.static_decode``, whose count lives on the device
+        (``length``, the Python count, is left alone)."""
         rows_S = start_t.reshape(()) + torch.arange(key_SBGD.shape[0], device=start_t.device)
         self.key_SBGD.index_copy_(0, rows_S, key_SBGD)
         self.value_SBGD.index_copy_(0, rows_S, value_SBGD)
@@ -77,11 +78,13 @@ class AttentionDecodeState(AttentionKVState):
     prompt: Optional[AttentionKVState] = field(default=None, kw_only=True)
 
 
-class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
+class SDPACoreAttention(StatefulModule, MegatronModule, UsesKernelOptions):
     """Core attention ``softmax(q k^T * scale) v`` with a causal mask and GQA.
 
     Takes ``query_SBHD`` ``[s, b, heads, d]`` and ``key/value_SBGD`` ``[s, b, groups, d]``;
-    returns ``[s, b, heads * d_v]`` like Megatron's ``DotProductAttention``.
+    returns ``[s, b, heads * d_v]`` like Megatron's ``DotProductAttention``. Unbound it is plain
+    causal attention; bound, one method per mode (``core/binding.py``), each with its
+    context-parallel branch.
     """
 
     supports_context_parallel = True
@@ -121,121 +124,124 @@ class SDPACoreAttention(MegatronModule, StatefulModule, UsesKernelOptions):
     def new_decode_state(self, prompt: AttentionKVState, num_samples: int,
                          capacity: int) -> AttentionDecodeState:
         """Per-sample pages for ``capacity`` decoded tokens after the shared ``prompt`` pages, zeros
-        (a fixed-shape step, ``Binding.static_decode``, reads rows not yet written: masked out, but
-        their weight 0 times a non-finite value would not be 0)."""
+        (a fixed-shape step, ``DecodeBinding.static_decode``, reads rows not yet written: masked
+        out, but their weight 0 times a non-finite value would not be 0)."""
         shape = (capacity, num_samples, self.groups_per_rank, self.config.kv_channels)
         zeros = dict(dtype=prompt.key_SBGD.dtype, device=prompt.key_SBGD.device)
         return AttentionDecodeState(torch.zeros(shape, **zeros), torch.zeros(shape, **zeros), prompt=prompt)
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None, **kwargs):
-        """Causal attention of ``query`` over ``key``/``value``, or over the bound prompt state."""
-        if packed_seq_params is not None:
-            raise ValueError("SDPACoreAttention: packed sequences are not supported")
-        binding = self.longstraw
-        seq, batch = query.shape[0], query.shape[1]
-        cp_group = context_parallel_group() if binding is not None else None
-        if cp_group is not None:
-            return self._forward_context_parallel(query, key, value, binding, cp_group).reshape(seq, batch, -1)
-        if binding is not None and binding.mode == Mode.SWEEP:
-            return self._forward_sweep(query, key, value, binding).reshape(seq, batch, -1)
-        if binding is not None and binding.mode in (Mode.CAPTURE, Mode.REPLAY):
-            prefix_k, prefix_v = binding.state.keys_values()
-            if binding.mode == Mode.REPLAY and binding.exact:  # gradients into the pages' buffers
-                grads = binding.state.grads
-                prefix_k = read_with_grad(prefix_k, grads.buffer("key_SBGD")[:prefix_k.shape[0]])
-                prefix_v = read_with_grad(prefix_v, grads.buffer("value_SBGD")[:prefix_v.shape[0]])
-            attend = prefix_causal_attention
-            if binding.mode == Mode.CAPTURE and self.capture_attention is not None:
-                attend = self.capture_attention
+    def forward_unbound(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                        attention_bias=None, packed_seq_params=None, **kwargs):
+        """Causal attention of ``query`` over ``key``/``value``."""
+        _refuse_packed(packed_seq_params)
+        return self._causal_attention(query, key, value).reshape(query.shape[0], query.shape[1], -1)
+
+    def forward_bound(self, binding, query, key, value, attention_mask=None, attn_mask_type=None,
+                      attention_bias=None, packed_seq_params=None, **kwargs):
+        """The mode's method on ``(query, key, value)``; its ``[s, b, heads, d_v]`` as ``[s, b, heads * d_v]``."""
+        _refuse_packed(packed_seq_params)
+        return super().forward_bound(binding, query, key, value).reshape(query.shape[0], query.shape[1], -1)
+
+    def forward_capture(self, binding: CaptureBinding, query, key, value):
+        """The chunk's queries over the pages so far and its own keys; its keys and values are
+        appended to the pages (not the sequence-parallel padding rows). Under CP all the chunk's
+        queries travel over every rank's pages and shard (``cp_capture_attention``)."""
+        prefix_k, prefix_v = binding.state.keys_values()
+        group = context_parallel_group()
+        if group is None:
+            attend = prefix_causal_attention if self.capture_attention is None else self.capture_attention
             out_SBHD = attend(query, key, value, prefix_k, prefix_v, self.softmax_scale, options=self.kernel_options)
-            if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
-                binding.state.append(key[:binding.valid_length], value[:binding.valid_length])
-            return out_SBHD.reshape(seq, batch, -1)
-        if binding is not None and binding.mode == Mode.DECODE:
-            valid = binding.valid_length or seq  # sequence parallelism pads the tokens at the end
-            state, static, own_valid = binding.state, binding.static_decode, None
-            if static is None:
-                state.append(key[:valid], value[:valid])
-                own_k, own_v = state.keys_values()
-            else:  # fixed shapes: the rows at the device count, the buffers' first rows masked
-                state.write_at(static.length_t, key[:valid], value[:valid])
-                own_k, own_v = state.key_SBGD[:static.rows], state.value_SBGD[:static.rows]
-                own_valid = static.length_t + valid
+            binding.state.append(key[:binding.valid_length], value[:binding.valid_length])
+            return out_SBHD
+        if binding.shard_sizes is None:
+            raise ValueError("SDPACoreAttention: capture under context parallelism needs the "
+                             "chunk's shard sizes (use capture_prompt)")
+        out_SBHD = cp_capture_attention(query, key, value, prefix_k, prefix_v, binding.shard_sizes,
+                                        self.softmax_scale, group, options=self.kernel_options)
+        binding.state.append(key, value)
+        return out_SBHD
+
+    def forward_replay(self, binding: ReplayBinding, query, key, value):
+        """The response's queries over the prompt pages (with gradients into their buffers in
+        exact replay, ``read_state``) and its own keys; under CP over every rank's pages."""
+        length = binding.state.length
+        prefix_k, prefix_v = read_state(binding, "key_SBGD", length), read_state(binding, "value_SBGD", length)
+        group = context_parallel_group()
+        if group is None:
+            return prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
+                                           options=self.kernel_options)
+        return cp_prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
+                                          group, options=self.kernel_options)
+
+    def forward_decode(self, binding: DecodeBinding, query, key, value):
+        """Each sample appends its new keys/values to its own pages and attends over the shared
+        prompt pages plus its own (``decode_attention``); in fixed shapes
+        (``DecodeBinding.static_decode``) at the device count's rows. Under CP the replicated
+        samples attend over every rank's shard of the prompt pages."""
+        state, seq = binding.state, query.shape[0]
+        group = context_parallel_group()
+        if group is not None:
+            state.append(key, value)
+            own_k, own_v = state.keys_values()
             prompt_k, prompt_v = state.prompt.keys_values()
-            out_SBHD = decode_attention(query[:valid], own_k, own_v, prompt_k, prompt_v, self.softmax_scale,
-                                        options=self.kernel_options, own_valid=own_valid)
-            return pad_rows_to(out_SBHD, seq).reshape(seq, batch, -1)
-        if binding is not None and binding.mode == Mode.REFERENCE:
-            key = detach_prefix(key, binding.prefix_length, 0)
-            value = detach_prefix(value, binding.prefix_length, 0)
+            return decode_attention(query, own_k, own_v, prompt_k, prompt_v, self.softmax_scale,
+                                    cp_group=group, options=self.kernel_options)
+        valid, static, own_valid = binding.valid_length, binding.static_decode, None
+        if static is None:
+            state.append(key[:valid], value[:valid])
+            own_k, own_v = state.keys_values()
+        else:  # fixed shapes: the rows at the device count, the buffers' first rows masked
+            state.write_at(static.length_t, key[:valid], value[:valid])
+            own_k, own_v = state.key_SBGD[:static.rows], state.value_SBGD[:static.rows]
+            own_valid = static.length_t + valid
+        prompt_k, prompt_v = state.prompt.keys_values()
+        out_SBHD = decode_attention(query[:valid], own_k, own_v, prompt_k, prompt_v, self.softmax_scale,
+                                    options=self.kernel_options, own_valid=own_valid)
+        return pad_rows_to(out_SBHD, seq)
+
+    def forward_sweep(self, binding: SweepBinding, query, key, value):
+        """The reverse sweep's recomputed chunk: its queries over the pages before it (the first
+        ``local_offset`` rows, read with gradients into the pages' buffers) and its own keys,
+        which receive their pages' accumulated gradients. Under CP the chunk is this rank's
+        shard, its queries travelling as in capture (``cp_sweep_attention``)."""
+        before = binding.local_offset
+        prefix_k, prefix_v = read_state(binding, "key_SBGD", before), read_state(binding, "value_SBGD", before)
+        group = context_parallel_group()
+        if group is None:
+            out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
+                                               options=self.kernel_options)
+            key, value = key[:binding.valid_length], value[:binding.valid_length]
+        else:
+            out_SBHD = cp_sweep_attention(query, key, value, prefix_k, prefix_v, binding.shard_sizes,
+                                          self.softmax_scale, group, options=self.kernel_options)
+        grads = binding.state.grads
+        binding.targets.inject(key, grads.buffer("key_SBGD")[before:before + key.shape[0]])
+        binding.targets.inject(value, grads.buffer("value_SBGD")[before:before + value.shape[0]])
+        return out_SBHD
+
+    def forward_reference(self, binding: ReferenceBinding, query, key, value):
+        """Causal attention with the prompt rows of the keys and values detached; not under CP."""
+        group = context_parallel_group()
+        if group is not None:
+            raise ValueError("SDPACoreAttention: the full-graph baseline (--replay-mode full) is not "
+                             f"supported with --context-parallel-size {group.size()} > 1 yet")
+        prefix = binding.prefix_length
+        return self._causal_attention(query, detach_prefix(key, prefix, 0), detach_prefix(value, prefix, 0))
+
+    def _causal_attention(self, query, key, value):
+        """Torch SDPA, causal, with GQA; ``[s, b, heads, d_v]``."""
         q_BHSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out_BHSD = F.scaled_dot_product_attention(
             q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=self.softmax_scale,
             enable_gqa=q_BHSD.shape[1] != k_BGSD.shape[1],
         )
-        return out_BHSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        return out_BHSD.permute(2, 0, 1, 3)
 
-    def _forward_sweep(self, query, key, value, binding):
-        """The reverse sweep's recomputed chunk (``Mode.SWEEP``): its queries over the pages of
-        the positions before it (their gradients go into the pages' buffers) and its own keys;
-        the chunk's own keys and values receive their pages' accumulated gradients."""
-        state, grads = binding.state, binding.state.grads
-        start, valid = binding.position_offset, binding.valid_length or query.shape[0]
-        grad_k, grad_v = grads.buffer("key_SBGD"), grads.buffer("value_SBGD")
-        prefix_k = read_with_grad(state.key_SBGD[:start], grad_k[:start])
-        prefix_v = read_with_grad(state.value_SBGD[:start], grad_v[:start])
-        out_SBHD = prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
-                                           options=self.kernel_options)
-        binding.sweep.inject(key[:valid], grad_k[start:start + valid])
-        binding.sweep.inject(value[:valid], grad_v[start:start + valid])
-        return out_SBHD
 
-    def _forward_sweep_context_parallel(self, query, key, value, binding, cp_group):
-        """``Mode.SWEEP`` under CP: this rank's shard of the recomputed chunk, its queries
-        travelling as in capture (``cp_sweep_attention``), over this rank's pages before the chunk
-        (the first ``binding.local_offset`` rows; their gradients go into the pages' buffers) and
-        its shard's own keys, which receive their pages' accumulated gradients."""
-        state, grads = binding.state, binding.state.grads
-        before, own = binding.local_offset, query.shape[0]
-        grad_k, grad_v = grads.buffer("key_SBGD"), grads.buffer("value_SBGD")
-        prefix_k = read_with_grad(state.key_SBGD[:before], grad_k[:before])
-        prefix_v = read_with_grad(state.value_SBGD[:before], grad_v[:before])
-        out_SBHD = cp_sweep_attention(query, key, value, prefix_k, prefix_v, binding.shard_sizes,
-                                      self.softmax_scale, cp_group, options=self.kernel_options)
-        binding.sweep.inject(key, grad_k[before:before + own])
-        binding.sweep.inject(value, grad_v[before:before + own])
-        return out_SBHD
-
-    def _forward_context_parallel(self, query, key, value, binding, cp_group):
-        """Capture / replay / decode with the pages sharded over ``cp_group``; ``[s, b, heads, d_v]``."""
-        if binding.mode == Mode.CAPTURE:
-            if binding.shard_sizes is None:
-                raise ValueError("SDPACoreAttention: capture under context parallelism needs the "
-                                 "chunk's shard sizes (use capture_prompt)")
-            prefix_k, prefix_v = binding.state.keys_values()
-            out_SBHD = cp_capture_attention(query, key, value, prefix_k, prefix_v, binding.shard_sizes,
-                                            self.softmax_scale, cp_group, options=self.kernel_options)
-            binding.state.append(key, value)
-            return out_SBHD
-        if binding.mode == Mode.SWEEP:
-            return self._forward_sweep_context_parallel(query, key, value, binding, cp_group)
-        if binding.mode == Mode.REPLAY:
-            prefix_k, prefix_v = binding.state.keys_values()
-            if binding.exact:  # gradients of this rank's pages into their buffers
-                grads = binding.state.grads
-                prefix_k = read_with_grad(prefix_k, grads.buffer("key_SBGD")[:prefix_k.shape[0]])
-                prefix_v = read_with_grad(prefix_v, grads.buffer("value_SBGD")[:prefix_v.shape[0]])
-            return cp_prefix_causal_attention(query, key, value, prefix_k, prefix_v, self.softmax_scale,
-                                              cp_group, options=self.kernel_options)
-        if binding.mode == Mode.DECODE:  # replicated samples over every rank's shard of the pages
-            binding.state.append(key, value)
-            own_k, own_v = binding.state.keys_values()
-            prompt_k, prompt_v = binding.state.prompt.keys_values()
-            return decode_attention(query, own_k, own_v, prompt_k, prompt_v, self.softmax_scale,
-                                    cp_group=cp_group, options=self.kernel_options)
-        raise ValueError("SDPACoreAttention: the full-graph baseline (--replay-mode full) is not "
-                         f"supported with --context-parallel-size {cp_group.size()} > 1 yet")
+def _refuse_packed(packed_seq_params) -> None:
+    """``ValueError`` for packed sequences."""
+    if packed_seq_params is not None:
+        raise ValueError("SDPACoreAttention: packed sequences are not supported")
 
 
 @contextmanager

@@ -62,7 +62,8 @@ def _single_process():
     """Megatron parallel state with every size 1 (initialized here unless already set up)."""
     from megatron.core import parallel_state
 
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import destroy_distributed, init_distributed
 
     if parallel_state.model_parallel_is_initialized():
         yield

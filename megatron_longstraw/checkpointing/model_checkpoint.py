@@ -14,8 +14,9 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_longstraw.checkpointing import dist_io
+from megatron_longstraw.config.model import DEFAULT_MODEL, ModelConfig
 from megatron_longstraw.models.hf_config import read_config_json
-from megatron_longstraw.models.presets import resolve_hf_config
+from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
 
 HF_CONFIG_NAME = "hf_config.json"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -64,6 +65,18 @@ def resolve_model_config(spec: str, flag: str = "--model") -> dict:
                              f"that stores its model (no {HF_CONFIG_NAME})")
         return read_hf_config(folder, flag=flag)
     return resolve_hf_config(spec)
+
+
+def model_hf_config(model: ModelConfig, source: str | None = None, flag: str | None = None) -> dict:
+    """The HF config of a command's ``model`` group: ``source`` (the trainer's model source),
+    else ``--hf-config`` / ``--model``, else the default preset (``resolve_model_config``), with
+    ``--num-layers`` and ``--max-position-embeddings`` applied."""
+    hf = resolve_model_config(source or model.spec or DEFAULT_MODEL, flag=flag or model.spec_flag)
+    if model.num_layers is not None:
+        hf = with_num_layers(hf, model.num_layers)
+    if model.max_position_embeddings:
+        hf["max_position_embeddings"] = model.max_position_embeddings
+    return hf
 
 
 def write_hf_config(folder: Path, hf: dict) -> None:

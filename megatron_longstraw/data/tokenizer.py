@@ -1,7 +1,6 @@
 """Text tokenizers through Megatron-Core's own classes (``megatron.core.tokenizers``).
 
-``build_tokenizer(args)`` reads Megatron's flag names from any object with attributes (an
-``argparse.Namespace``) or a dict:
+``build_tokenizer`` takes Megatron's flags by their names:
 
 * ``--tokenizer-type``: ``HuggingFaceTokenizer``, ``SentencePieceTokenizer`` (also Megatron's
   aliases ``GPTSentencePieceTokenizer`` and ``Llama2Tokenizer``) or ``NullTokenizer``;
@@ -33,7 +32,7 @@ no transformers wrapper of our own is needed. The gaps this module closes:
 
 import os
 import sys
-from typing import Any
+from typing import Optional
 
 HUGGINGFACE_TYPES = ("HuggingFaceTokenizer",)
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
@@ -88,30 +87,23 @@ class Tokenizer:
                 f"eos_id={self.eos_id})")
 
 
-def _arg(args: Any, name: str, default=None):
-    if isinstance(args, dict):
-        return args.get(name, default)
-    return getattr(args, name, default)
-
-
-def build_tokenizer(args: Any) -> Tokenizer:
+def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, *, vocab_size: Optional[int] = None,
+                    null_tokenizer_eod_id: Optional[int] = None, trust_remote_code: bool = False) -> Tokenizer:
     """The tokenizer named by ``--tokenizer-type``/``--tokenizer-model``/``--vocab-size``;
     ``ValueError`` naming the flag for anything missing or unusable."""
     from megatron.core.tokenizers import MegatronTokenizer
 
-    tokenizer_type = _arg(args, "tokenizer_type")
-    model = _arg(args, "tokenizer_model")
+    model = tokenizer_model
     if tokenizer_type not in SUPPORTED_TOKENIZER_TYPES:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_TOKENIZER_TYPES)}")
 
     if tokenizer_type in NULL_TYPES:
-        vocab_size = _arg(args, "vocab_size")
         if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 2:
             raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size >= 2, "
                              f"got {vocab_size!r}")
         kwargs = dict(vocab_size=vocab_size)
-        eod_id = _arg(args, "null_tokenizer_eod_id")
+        eod_id = null_tokenizer_eod_id
         if eod_id is not None:
             if not 0 <= eod_id < vocab_size:
                 raise ValueError(f"null_tokenizer_eod_id {eod_id} is outside --vocab-size {vocab_size}")
@@ -129,7 +121,7 @@ def build_tokenizer(args: Any) -> Tokenizer:
     if tokenizer_type in HUGGINGFACE_TYPES:
         library = "huggingface"
         path = (os.path.dirname(model) or ".") if os.path.isfile(model) else model
-        kwargs = dict(trust_remote_code=bool(_arg(args, "trust_remote_code", False)))
+        kwargs = dict(trust_remote_code=trust_remote_code)
     else:
         library = "sentencepiece"
         path = model

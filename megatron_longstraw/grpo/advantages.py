@@ -2,7 +2,7 @@
 
 import torch
 
-NORMALIZATIONS = ("group-std", "none")
+from megatron_longstraw.config.grpo import NORMALIZATIONS
 
 
 def group_advantages(rewards_G: torch.Tensor, normalization: str = "group-std",

@@ -1,59 +1,47 @@
 """The policy-loss protocol every registered loss (``grpo/registry.py``) implements, and what the
 losses share: the group's stored log-probs laid out like a micro-batch, the KL and entropy terms,
-metric sums.
+the rollout correction's weights, metric sums.
 
-A loss owns, for the trainer:
+A loss receives its own configuration (``config/grpo.py``'s ``LossConfig``) and the step's shape
+(``StepShape``), never the command line, and owns, for the trainer:
 
-- ``validate_args(args)``: the flags it reads, checked once at start-up (and its defaults of
-  ``--loss-aggregation`` / ``--advantage-normalization`` filled in);
-- ``for_group(args, ...)``: the loss function of one prompt group, its normalizer fixed for the
-  whole global batch;
+- ``check_config(config)``: the flags it reads, checked once at start-up (the values it takes of
+  ``--loss-aggregation`` and ``--advantage-normalization``; ``aggregation`` and
+  ``advantage_normalization`` give its defaults of them);
+- ``for_group(config, step, ...)``: the loss function of one prompt group, its normalizer fixed
+  for the whole global batch;
 - ``__call__``: the loss of one replay micro-batch (``longstraw/micro_batches.py``'s ``LossFn``):
   a sum of per-sample terms over the normalizer, so that micro-batches and groups add up;
-- ``logged_metrics()``: its metrics under their logged names, and ``summed_metrics``, the logged
-  keys summed (not averaged) over the step's groups and ranks;
-- ``finish_step(metrics, args)``: after the step's groups, ``loss/total`` from ``loss/sum`` and the
-  factor the accumulated gradients are scaled by before the data-parallel average (a normalizer
-  only known once every group is done, such as the global token count).
+- ``logged_metrics()``: its metrics under the names it gives them (``metric_names``: the shared
+  ones here, each loss adding its own), and ``summed_metrics``, the logged keys summed (not
+  averaged) over the step's groups and ranks;
+- ``finish_step(metrics, config, step)``: after the step's groups, ``loss/total`` from
+  ``loss/sum`` and the factor the accumulated gradients are scaled by before the data-parallel
+  average (a normalizer only known once every group is done, such as the global token count).
 
 Tensors are ``[R, B]`` (response position, sample). A micro-batch always holds whole responses.
 """
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence
 
 import torch
 
-from megatron_longstraw.grpo.advantages import NORMALIZATIONS
+from megatron_longstraw.config.grpo import AGGREGATIONS, NORMALIZATIONS, LossConfig
 from megatron_longstraw.grpo.loss_terms import kl_k3, masked
-from megatron_longstraw.grpo.rollout_correction import check_correction, sequence_weights, token_weights
+from megatron_longstraw.grpo.rollout_correction import sequence_weights, token_weights
 
 
-def _check_coef(flag: str, value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
+@dataclass(frozen=True)
+class StepShape:
+    """What a loss needs to know of the optimizer step besides its own flags."""
 
-
-def check_shared_flags(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0,
-                       entropy_coef: float = 0.0) -> None:
-    """Raise ``ValueError`` naming the flag for an invalid clip range or KL / entropy coefficient."""
-    if not 0 <= clip_eps_low < 1:
-        raise ValueError(f"--clip-eps-low must be in [0, 1), got {clip_eps_low}")
-    if not clip_eps_high >= 0:
-        raise ValueError(f"--clip-eps-high must be >= 0, got {clip_eps_high}")
-    _check_coef("--kl-coef", kl_coef)
-    _check_coef("--entropy-coef", entropy_coef)
-
-
-def _resolve_choice(args, attr: str, allowed: Sequence[str], loss_type: str) -> None:
-    """Fill ``args.<attr>`` with the loss's default (``allowed[0]``) or check it is allowed."""
-    value = getattr(args, attr)
-    if value is None:
-        setattr(args, attr, allowed[0])
-    elif value not in allowed:
-        flag = "--" + attr.replace("_", "-")
-        raise ValueError(f"--loss-type {loss_type} takes {flag} {' or '.join(allowed)}, got {value!r}")
+    groups_per_rank: int = 1
+    """Prompt groups this data-parallel rank trains in the step."""
+    data_parallel_size: int = 1
+    """Data-parallel ranks (DDP averages their gradients)."""
+    max_response_length: int = 1
+    """``--max-response-length`` (Dr. GRPO's constant normalizer)."""
 
 
 @dataclass
@@ -82,43 +70,45 @@ class PolicyLoss:
     one prompt group's replay, plus the start-up and end-of-step hooks (module doc).
 
     ``old_logprobs``/``ref_logprobs``/``sampler_logprobs`` hold one 1-D tensor per group sample
-    (its response length); ``advantages_G`` one advantage per sample. ``kl_coef`` weighs k3(pi,
-    ref) and ``entropy_coef`` the entropy bonus, per token (``regularized``); with the sampler's
-    log-probs the policy term takes ``rollout_correction``'s weights (``corrected_tokens`` /
-    ``corrected_sequences``, ``grpo/rollout_correction.py``) and the sampler-trainer gap is logged.
-    Subclasses implement ``loss`` and the hooks.
+    (its response length); ``advantages_G`` one advantage per sample. The config's ``kl_coef``
+    weighs k3(pi, ref) and ``entropy_coef`` the entropy bonus, per token (``regularized``); with
+    the sampler's log-probs the policy term takes ``rollout_correction``'s weights
+    (``corrected_tokens`` / ``corrected_sequences``, ``grpo/rollout_correction.py``) and the
+    sampler-trainer gap is logged. Subclasses implement ``loss`` and the hooks.
     """
 
     name: ClassVar[str] = ""
-    # --loss-aggregation / --advantage-normalization values the loss takes; the first is its default
+    """The registered name (set by ``register_policy_loss``)."""
+    summary: ClassVar[str] = ""
+    """A few words for ``--loss-type``'s help."""
     aggregations: ClassVar[tuple[str, ...]] = ("token",)
+    """``--loss-aggregation`` values the loss takes; the first is its default."""
     advantage_normalizations: ClassVar[tuple[str, ...]] = NORMALIZATIONS
-    # logged metric keys summed over the step's groups and data-parallel ranks
+    """``--advantage-normalization`` values the loss takes; the first is its default."""
     summed_metrics: ClassVar[tuple[str, ...]] = ("loss/sum",)
-    # metrics() name -> logged name
+    """Logged metric keys summed over the step's groups and data-parallel ranks."""
     metric_names: ClassVar[dict[str, str]] = {
-        "policy_loss": "loss/policy", "clip_frac_low": "clip/frac_low", "clip_frac_high": "clip/frac_high",
         "approx_kl": "kl/approx", "ref_kl": "kl/reference", "entropy": "entropy/mean",
         "ratio_mean": "ratio/mean", "ratio_max": "ratio/max",
         "sampler_logprob_diff": "rollout/logprob_diff_mean", "sampler_logprob_diff_max": "rollout/logprob_diff_max",
         "correction_weight": "rollout/weight_mean", "correction_weight_min": "rollout/weight_min",
         "correction_weight_max": "rollout/weight_max", "corrected": "rollout/corrected_frac"}
-    # metrics() names averaged over sequences rather than tokens
+    """``metrics()`` name -> logged name of the metrics every loss has (the shared terms); a loss
+    adds its own."""
     per_sequence_metrics: ClassVar[tuple[str, ...]] = ()
-    # replay hands every call the per-token entropies (``model_steps.loss_of``): they are logged
-    # even when ``entropy_coef`` is 0
-    needs_entropy = True
-    # the trainer samples the responses (False) or takes the records' given ones (the answer ids
-    # of a prompt, a rollout file's responses: ``grpo/sft_loss.py``)
+    """``metrics()`` names averaged over sequences rather than tokens."""
+    needs_entropy: ClassVar[bool] = True
+    """Replay hands every call the per-token entropies (``model_steps.loss_of``): they are logged
+    even when ``entropy_coef`` is 0."""
     trains_on_given_responses: ClassVar[bool] = False
+    """The trainer samples the responses (False) or takes the records' given ones (the answer ids
+    of a prompt, a rollout file's responses: ``grpo/losses/sft.py``)."""
 
     def __init__(self, old_logprobs: Sequence[torch.Tensor], advantages_G: torch.Tensor, *,
-                 normalizer: float, ref_logprobs: Optional[Sequence[torch.Tensor]] = None,
-                 clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, kl_coef: float = 0.0,
-                 entropy_coef: float = 0.0, sampler_logprobs: Optional[Sequence[torch.Tensor]] = None,
-                 rollout_correction: str = "none", rollout_correction_cap: float = 2.0):
-        check_shared_flags(clip_eps_low, clip_eps_high, kl_coef, entropy_coef)
-        check_correction(rollout_correction, rollout_correction_cap)
+                 normalizer: float, config: LossConfig = LossConfig(),
+                 ref_logprobs: Optional[Sequence[torch.Tensor]] = None,
+                 sampler_logprobs: Optional[Sequence[torch.Tensor]] = None):
+        type(self).check_config(config)
         if not normalizer > 0:
             raise ValueError(f"loss normalizer must be > 0, got {normalizer}")
         if advantages_G.dim() != 1 or advantages_G.numel() != len(old_logprobs):
@@ -128,53 +118,64 @@ class PolicyLoss:
             raise ValueError("old log-probs must be one non-empty 1-D tensor per sample")
         if ref_logprobs is not None and [t.shape for t in ref_logprobs] != [t.shape for t in old_logprobs]:
             raise ValueError("reference log-probs must match the old log-probs sample by sample")
-        if kl_coef > 0 and ref_logprobs is None:
-            raise ValueError(f"--kl-coef {kl_coef} needs reference log-probs (ref_logprobs)")
+        if config.kl_coef > 0 and ref_logprobs is None:
+            raise ValueError(f"--kl-coef {config.kl_coef} needs reference log-probs (ref_logprobs)")
         if sampler_logprobs is not None and [t.shape for t in sampler_logprobs] != [t.shape for t in old_logprobs]:
             raise ValueError("sampler log-probs must match the old log-probs sample by sample")
-        if rollout_correction != "none" and sampler_logprobs is None:
-            raise ValueError(f"--rollout-correction {rollout_correction} needs the sampler's log-probs")
+        if config.rollout_correction != "none" and sampler_logprobs is None:
+            raise ValueError(f"--rollout-correction {config.rollout_correction} needs the sampler's log-probs")
+        self.config = config
+        self.aggregation = self.aggregation_of(config)
         self.sampler_logprobs = None if sampler_logprobs is None else list(sampler_logprobs)
-        self.rollout_correction, self.rollout_correction_cap = rollout_correction, rollout_correction_cap
         self.old_logprobs, self.ref_logprobs = list(old_logprobs), ref_logprobs
         self.advantages_G = advantages_G.detach()
-        self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
-        self.kl_coef, self.entropy_coef = kl_coef, entropy_coef
+        self.clip_eps_low, self.clip_eps_high = config.clip_eps_low, config.clip_eps_high
+        self.kl_coef, self.entropy_coef = config.kl_coef, config.entropy_coef
         self.normalizer = normalizer
         self._sums: dict[str, torch.Tensor] = {}
 
     # ---- start-up and step hooks ------------------------------------------------------------
 
     @classmethod
-    def validate_args(cls, args) -> None:
-        """Check the flags the loss reads (once, at start-up) and fill its defaults of
-        ``--loss-aggregation`` and ``--advantage-normalization``; ``ValueError`` names the flag."""
-        _resolve_choice(args, "loss_aggregation", cls.aggregations, cls.name)
-        _resolve_choice(args, "advantage_normalization", cls.advantage_normalizations, cls.name)
-        check_shared_flags(args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef)
-        check_correction(args.rollout_correction, args.rollout_correction_cap)
+    def check_config(cls, config: LossConfig) -> None:
+        """Check the flags the loss reads beyond ``LossConfig``'s own checks (once, at start-up):
+        the ``--loss-aggregation`` and ``--advantage-normalization`` it takes; ``ValueError``
+        names the flag."""
+        for flag, value, allowed in (("--loss-aggregation", config.loss_aggregation, cls.aggregations),
+                                     ("--advantage-normalization", config.advantage_normalization,
+                                      cls.advantage_normalizations)):
+            if value is not None and value not in allowed:
+                raise ValueError(f"--loss-type {cls.name} takes {flag} {' or '.join(allowed)}, got {value!r}")
 
     @classmethod
-    def for_group(cls, args, old_logprobs: Sequence[torch.Tensor], advantages_G: torch.Tensor, *,
-                  ref_logprobs: Optional[Sequence[torch.Tensor]], groups_per_rank: int,
+    def aggregation_of(cls, config: LossConfig) -> str:
+        """``--loss-aggregation``, or the loss's own default."""
+        return config.loss_aggregation or cls.aggregations[0]
+
+    @classmethod
+    def advantage_normalization(cls, config: LossConfig) -> str:
+        """``--advantage-normalization``, or the loss's own default."""
+        return config.advantage_normalization or cls.advantage_normalizations[0]
+
+    @classmethod
+    def for_group(cls, config: LossConfig, step: StepShape, old_logprobs: Sequence[torch.Tensor],
+                  advantages_G: torch.Tensor, *, ref_logprobs: Optional[Sequence[torch.Tensor]],
                   sampler_logprobs: Optional[Sequence[torch.Tensor]] = None) -> "PolicyLoss":
-        """The loss function of one prompt group of ``groups_per_rank`` on this rank's share of
-        the step, from the flags and what the group provides (the sampler's log-probs when the
-        rollouts carry them)."""
+        """The loss function of one prompt group of the ``step`` on this rank, from the flags and
+        what the group provides (the sampler's log-probs when the rollouts carry them)."""
+        return cls(old_logprobs, advantages_G, normalizer=cls.group_normalizer(config, step, len(old_logprobs)),
+                   config=config, ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs)
+
+    @classmethod
+    def group_normalizer(cls, config: LossConfig, step: StepShape, num_responses: int) -> float:
+        """What one group's sum of per-sample terms is divided by (``for_group``)."""
         raise NotImplementedError
 
     @classmethod
-    def finish_step(cls, metrics: dict, args) -> float:
+    def finish_step(cls, metrics: dict, config: LossConfig, step: StepShape) -> float:
         """After the step's groups (``metrics`` reduced over groups and ranks): replace
         ``loss/sum`` by ``loss/total`` and return the factor for the accumulated gradients."""
         raise NotImplementedError
-
-    @classmethod
-    def shared_options(cls, args) -> dict:
-        """Constructor keywords every loss takes from the flags."""
-        return dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef,
-                    entropy_coef=args.entropy_coef, rollout_correction=args.rollout_correction,
-                    rollout_correction_cap=args.rollout_correction_cap)
 
     # ---- the loss -----------------------------------------------------------------------------
 
@@ -220,7 +221,7 @@ class PolicyLoss:
         if batch.sampler_logprobs_RB is None:
             return policy_RB
         weight_RB, corrected_RB = token_weights(batch.old_logprobs_RB, batch.sampler_logprobs_RB,
-                                                self.rollout_correction, self.rollout_correction_cap)
+                                                self.config.rollout_correction, self.config.rollout_correction_cap)
         self._correction_metrics(weight_RB, corrected_RB, batch.real_RB)
         return policy_RB * weight_RB.to(policy_RB.dtype)
 
@@ -231,7 +232,8 @@ class PolicyLoss:
         if batch.sampler_logprobs_RB is None:
             return policy_B
         weight_B, corrected_B = sequence_weights(batch.old_logprobs_RB, batch.sampler_logprobs_RB, batch.real_RB,
-                                                 self.rollout_correction, self.rollout_correction_cap)
+                                                 self.config.rollout_correction,
+                                                 self.config.rollout_correction_cap)
         self.add_sequence_metric("correction_weight", weight_B)
         self.add_sequence_metric("corrected", corrected_B.float())
         self.add_min_metric("correction_weight_min", weight_B.min())

@@ -1,13 +1,13 @@
 """Pure tensor terms the policy losses share: PPO's clipped objective, the k3 KL estimator,
 entropy, and sums over the real tokens of an ``[R, B]`` (response position, sample) micro-batch.
 
-Flags are validated once at start-up (``PolicyLoss.validate_args``); these functions only assert
-their invariants.
+Flags are validated once, by their configuration (``config/grpo.py``'s ``LossConfig``); these
+functions only assert their invariants.
 """
 
 import torch
 
-AGGREGATIONS = ("token", "sequence")
+from megatron_longstraw.config.grpo import AGGREGATIONS
 
 
 def clip_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float):

@@ -21,16 +21,6 @@ import torch
 
 from megatron_longstraw.grpo.loss_terms import sequence_means
 
-CORRECTIONS = ("none", "tis", "mis")
-
-
-def check_correction(mode: str, cap: float) -> None:
-    """``ValueError`` naming the flag for an unknown mode or a cap that is not a finite number >= 1."""
-    if mode not in CORRECTIONS:
-        raise ValueError(f"--rollout-correction must be one of {', '.join(CORRECTIONS)}, got {mode!r}")
-    if not (math.isfinite(cap) and cap >= 1):
-        raise ValueError(f"--rollout-correction-cap must be a finite number >= 1, got {cap}")
-
 
 def _weights(log_ratio: torch.Tensor, mode: str, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight, corrected)`` of log-ratios of any shape (in fp32 at least)."""

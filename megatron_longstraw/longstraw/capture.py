@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_longstraw.core.binding import Mode, bind, model_signature, stateful_modules
+from megatron_longstraw.core.binding import CaptureBinding, bind, model_signature, stateful_modules
 from megatron_longstraw.core.collectives import broadcast_from_last, context_parallel_group, shard_plan
 from megatron_longstraw.core.state import PromptState
 from megatron_longstraw.longstraw.expert_lockstep import ExpertLockstep
@@ -103,8 +103,8 @@ def capture_prompt(model, prompt_ids_BS: torch.Tensor, chunk_size: int,
                 start = chunk_start + sum(sizes[:rank])
                 shard_ids_BS = prompt_ids_BS[:, start:start + sizes[rank]]
                 lockstep.busy()
-                with bind(model, Mode.CAPTURE, state, position_offset=start, valid_length=sizes[rank],
-                          shard_sizes=None if cp_group is None else sizes, exact=exact):
+                with bind(model, CaptureBinding(position_offset=start, valid_length=sizes[rank],
+                                                shard_sizes=None if cp_group is None else sizes, exact=exact), state):
                     hidden_SBH = run_stages(model, shard_ids_BS, start, lambda part, h: decode(part, h, start))
                 if progress is not None:
                     progress(sum(sizes))

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
-from megatron_longstraw.core.binding import Mode, StaticDecode, bind, stateful_modules
+from megatron_longstraw.core.binding import DecodeBinding, StaticDecode, bind, stateful_modules
 from megatron_longstraw.core.decode_state import DecodeState
 from megatron_longstraw.longstraw.model_steps import embed, output_logits, without_activation_recompute
 
@@ -102,7 +102,7 @@ class GraphedDecoder:
         # activation recomputation would save and restore the RNG state (not capturable); under
         # no_grad it recomputes nothing anyway
         with without_activation_recompute(model), \
-                bind(model, Mode.DECODE, self.state, valid_length=1, static_decode=static):
+                bind(model, DecodeBinding(valid_length=1, static_decode=static), self.state):
             hidden_SBH = embed(model, self.ids_B1, 0)  # position ids unused: no learned positions
             hidden_SBH = model.decoder(hidden_states=hidden_SBH, attention_mask=None, rotary_pos_emb=self.rotary)
             logits_BV = output_logits(model, hidden_SBH[-1:])[0]

@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from megatron_longstraw.core.binding import Mode, bind
+from megatron_longstraw.core.binding import DecodeBinding, bind
 from megatron_longstraw.core.decode_state import DecodeState
 from megatron_longstraw.longstraw.model_steps import decode, output_logits
 from megatron_longstraw.longstraw.pipeline import check_pipeline, run_stages
@@ -28,7 +28,7 @@ def decode_step(model, state: DecodeState, ids_BS: torch.Tensor) -> Optional[tor
     state.check_room(seq)
     offset = state.position
     check_pipeline(model)
-    with bind(model, Mode.DECODE, state, position_offset=offset, valid_length=seq):
+    with bind(model, DecodeBinding(position_offset=offset, valid_length=seq), state):
         hidden_SBH = run_stages(model, ids_BS, offset, lambda part, h: decode(part, h, offset))
     state.advance(seq)
     return None if hidden_SBH is None else output_logits(last_chunk(model), hidden_SBH[-1:])[0]

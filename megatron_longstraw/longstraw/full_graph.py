@@ -2,7 +2,7 @@
 
 Same model, kernels and loss as LongStraw, with the same stop-gradient semantics: the tensors
 that form the prompt state (K/V, recurrent-state inputs, the final-norm input at prompt rows)
-are detached (``Mode.REFERENCE``). Memory and time then scale with the prompt per response; use
+are detached (``ReferenceBinding``). Memory and time then scale with the prompt per response; use
 activation recompute (``--recompute-granularity full``) for long prompts. It is the reference
 for the capture/replay tests and the comparison for the benchmark.
 """
@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_longstraw.core.binding import Mode, bind
+from megatron_longstraw.core.binding import ReferenceBinding, bind
 from megatron_longstraw.longstraw.micro_batches import LossFn, micro_batches
 from megatron_longstraw.longstraw.model_steps import (
     FinalNormInput, decode, embed, loss_of, output_logits)
@@ -35,7 +35,7 @@ def full_graph_hidden(model, prompt_ids_1S: torch.Tensor, response_ids_BR: torch
     ids_BS = torch.cat([prompt_ids_1S.expand(batch, -1), response_ids_BR], dim=1)
     final_norm = FinalNormInput(model, detach_rows=detached)
     try:
-        with bind(model, Mode.REFERENCE, prefix_length=detached):
+        with bind(model, ReferenceBinding(prefix_length=detached)):
             hidden_SBH = decode(model, embed(model, ids_BS, 0), 0)
     finally:
         final_norm.remove()
@@ -54,7 +54,7 @@ def full_graph_responses(model, prompt_ids_1S: torch.Tensor, responses: Sequence
     losses = []
     for ids_BR, mask_RB, indices in micro_batches(responses, micro_batch_size):
         # backward inside the binding: recomputed layers re-run forward with the same detaches
-        with bind(model, Mode.REFERENCE, prefix_length=0 if exact else prompt_ids_1S.shape[1]):
+        with bind(model, ReferenceBinding(prefix_length=0 if exact else prompt_ids_1S.shape[1])):
             loss = loss_of(loss_fn, model, full_graph_hidden(model, prompt_ids_1S, ids_BR, exact), ids_BR, mask_RB,
                            indices)
             loss.backward()

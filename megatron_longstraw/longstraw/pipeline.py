@@ -43,7 +43,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_longstraw.core.binding import Mode, bind
+from megatron_longstraw.core.binding import ReplayBinding, SweepBinding, bind
 from megatron_longstraw.core.collectives import context_parallel_group, sweep_chunks
 from megatron_longstraw.core.state import PromptState
 from megatron_longstraw.core.state_grad import SweepTargets, read_with_grad
@@ -120,7 +120,7 @@ def score_logprobs_pp(model, state: PromptState, responses: Sequence[torch.Tenso
     offset, out = state.prompt_length, []
     for ids_BR, _, indices in micro_batches(responses, micro_batch_size):
         chunk = [responses[i] for i in indices]
-        with bind(model, Mode.REPLAY, state, position_offset=offset):
+        with bind(model, ReplayBinding(position_offset=offset), state):
             hidden_SBH = run_stages(model, ids_BR, offset, lambda part, h: decode(part, h, offset))
         if hidden_SBH is None:
             out.extend(torch.zeros(r.numel(), device=r.device) for r in chunk)
@@ -202,7 +202,7 @@ def replay_responses_pp(model, state: PromptState, responses: Sequence[torch.Ten
             return loss, torch.ones((), dtype=torch.int), {}
         return hidden_SBH, loss_func
 
-    with bind(model, Mode.REPLAY, state, position_offset=offset, exact=exact):
+    with bind(model, ReplayBinding(position_offset=offset, exact=exact), state):
         _run_schedule(model, forward_step, batches, length, micro_batch_size)
     return losses
 
@@ -227,7 +227,7 @@ def prompt_backward_pp(model, state: PromptState, prompt_ids_BS: torch.Tensor,
     """``prompt_backward.prompt_backward`` (same arguments; its checks done) through Megatron's
     pipeline schedule: per capture chunk, last first, one schedule call with one micro-batch (the
     chunk; under virtual stages with PP - 1 padding micro-batches that pass zeros through). The
-    first stage embeds the chunk; every stage recomputes its layers in ``Mode.SWEEP`` and joins
+    first stage embeds the chunk; every stage recomputes its layers (``SweepBinding``) and joins
     what its layers injected (and, on the last stage, the final norm's input at the prompt's last
     position) to its output, whose backward the schedule runs with the next stage's gradient.
     Every stage calls it; parameter gradients accumulate in this stage's parameters.
@@ -288,9 +288,9 @@ def prompt_backward_pp(model, state: PromptState, prompt_ids_BS: torch.Tensor,
 
         around = chunk_context(index) if chunk_context is not None else contextlib.nullcontext()
         try:
-            with around, torch.enable_grad(), bind(model, Mode.SWEEP, state, position_offset=start,
-                                                   valid_length=end - start, sweep=targets,
-                                                   shard_sizes=shard_sizes, local_offset=local_offset):
+            binding = SweepBinding(position_offset=start, valid_length=end - start, targets=targets,
+                                   shard_sizes=shard_sizes, local_offset=local_offset)
+            with around, torch.enable_grad(), bind(model, binding, state):
                 _run_schedule(model, forward_step, batches, end - start, 1)
                 assert not targets.outputs, "every injected tensor went in with its stage's output"
                 targets.backward()  # nothing left to backpropagate: the layers' after-backward steps

@@ -2,7 +2,7 @@
 
 After a group's replays have accumulated the gradients of the prompt state, ``prompt_backward``
 walks the capture chunks last first. For each chunk it recomputes the forward with autograd
-(``Mode.SWEEP``) from the state of the positions before it, which enters read-only with its
+(``SweepBinding``) from the state of the positions before it, which enters read-only with its
 gradients going into the state's buffers, and backpropagates, in one backward, the accumulated
 gradients of the chunk's own state entries (its K/V pages, a recurrent layer's state after the
 chunk, for the last chunk the final norm's input at the last position). Parameter gradients add
@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_longstraw.core.binding import Mode, bind, stateful_modules
+from megatron_longstraw.core.binding import SweepBinding, bind, stateful_modules
 from megatron_longstraw.core.collectives import context_parallel_group, sweep_chunks
 from megatron_longstraw.core.state import PromptState
 from megatron_longstraw.core.state_grad import SweepTargets
@@ -120,9 +120,9 @@ def _sweep(model, state: PromptState, prompt_ids_BS: torch.Tensor,
         lockstep.busy()
         try:
             around = chunk_context(index) if chunk_context is not None else contextlib.nullcontext()
-            with around, torch.enable_grad(), bind(model, Mode.SWEEP, state, position_offset=start,
-                                                   valid_length=end - start, sweep=targets,
-                                                   shard_sizes=shard_sizes, local_offset=local_offset):
+            binding = SweepBinding(position_offset=start, valid_length=end - start, targets=targets,
+                                   shard_sizes=shard_sizes, local_offset=local_offset)
+            with around, torch.enable_grad(), bind(model, binding, state):
                 decode(model, embed(model, prompt_ids_BS[:, start:end], start), start)
                 if final_norm is not None:  # the final norm's input at the last position (every response reads it)
                     targets.inject_reaching(final_norm.last_row_1BH(end - start),

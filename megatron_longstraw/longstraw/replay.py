@@ -4,7 +4,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_longstraw.core.binding import Mode, bind
+from megatron_longstraw.core.binding import ReplayBinding, bind
 from megatron_longstraw.core.state import PromptState
 from megatron_longstraw.core.state_grad import read_with_grad
 from megatron_longstraw.longstraw.micro_batches import LossFn, micro_batches
@@ -33,7 +33,7 @@ def replay_hidden(model, state: PromptState, response_ids_BR: torch.Tensor, exac
             f"response of {length} tokens after a {state.prompt_length}-token prompt exceeds the "
             f"model's {model.max_sequence_length} positions")
     offset = state.prompt_length
-    with bind(model, Mode.REPLAY, state, position_offset=offset, exact=exact):
+    with bind(model, ReplayBinding(position_offset=offset, exact=exact), state):
         hidden_SBH = decode(model, embed(model, response_ids_BR, offset), offset)
     last_hidden_1BH = state.last_hidden_1BH
     if exact:
@@ -59,7 +59,7 @@ def replay_responses(model, state: PromptState, responses: Sequence[torch.Tensor
     losses = []
     for ids_BR, mask_RB, indices in micro_batches(responses, micro_batch_size):
         # backward inside the binding: recomputed layers re-run forward against the state
-        with bind(model, Mode.REPLAY, state, position_offset=state.prompt_length, exact=exact):
+        with bind(model, ReplayBinding(position_offset=state.prompt_length, exact=exact), state):
             loss = loss_of(loss_fn, model, replay_hidden(model, state, ids_BR, exact), ids_BR, mask_RB, indices)
             loss.backward()
         losses.append(loss.item())

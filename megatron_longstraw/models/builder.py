@@ -54,7 +54,7 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
     )
     model.hf_config = hf
     set_kernel_options(model, options.kernel_options)
-    if options.kernel_options.fp8_attention == "capture":
+    if options.fp8_attention == "capture":
         enable_fp8_capture_attention(model)
     if to_device and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -1,11 +1,12 @@
 """Megatron's Gated DeltaNet with LongStraw prompt state (recurrent state and conv tail).
 
 ``LongStrawGatedDeltaNet`` is Megatron's ``GatedDeltaNet``; unbound, it runs Megatron's own
-forward (context parallelism, packed sequences). Bound by ``longstraw.bind``, it runs the same
-steps with the kernels' state inputs/outputs in use: capture carries the fp32 recurrent state and
-the conv tail from chunk to chunk; replay starts every response from the detached prompt state;
-decode carries each sample's own copy of the state (``new_decode_state``) from token to token;
-the reference mode detaches the prompt rows of everything that forms that state.
+forward (context parallelism, packed sequences). Bound by ``core/binding.py``'s ``bind``, one
+method per mode runs the same steps (``_mixer``) with the kernels' state inputs/outputs in use:
+capture carries the fp32 recurrent state and the conv tail from chunk to chunk; replay starts
+every response from the detached prompt state; decode carries each sample's own copy of the
+state (``new_decode_state``) from token to token; the reference mode detaches the prompt rows of
+everything that forms that state.
 
 Under context parallelism (``core/collectives.py``) the bound forward keeps every head
 on every CP rank (Megatron's own CP splits heads by all-to-all; LongStraw shards the sequence):
@@ -20,8 +21,8 @@ its accumulated gradient on the last rank only.
 
 import contextlib
 import functools
-
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,9 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.ssm.gated_delta_net import gdn as mcore_gdn
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix
+from megatron_longstraw.core.binding import (
+    CaptureBinding, DecodeBinding, ReferenceBinding, ReplayBinding, StatefulModule, SweepBinding, detach_prefix,
+    read_state)
 from megatron_longstraw.core.collectives import all_gather_rows, all_gather_rows_with_grad, context_parallel_group
 from megatron_longstraw.core.state import LayerState
 from megatron_longstraw.core.state_grad import read_with_grad
@@ -111,7 +114,16 @@ def _capture_cp_recurrent(start_BHKV: torch.Tensor, transition_BHKX: torch.Tenso
     return own, state
 
 
-class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
+class _Shards(NamedTuple):
+    """A chunk's CP shards for ``_mixer``: the CP group, every rank's token count, and the
+    all-gather that hands the state across them (with autograd in the reverse sweep)."""
+
+    group: object
+    sizes: tuple[int, ...]
+    gather: Callable
+
+
+class LongStrawGatedDeltaNet(StatefulModule, GatedDeltaNet):
     """Megatron ``GatedDeltaNet`` that can start from / hand on a prompt state."""
 
     supports_context_parallel = True
@@ -143,42 +155,89 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
             prompt.conv_tail_BCW.expand(num_samples, *prompt.conv_tail_BCW.shape[1:]).clone(),
         )
 
-    def forward(self, hidden_states, attention_mask, inference_context=None,
-                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None, **kwargs):
-        """Megatron's forward when unbound; the stateful forward when bound (see module doc)."""
-        binding = self.longstraw
-        if binding is None:
-            return super().forward(hidden_states, attention_mask, inference_context, packed_seq_params,
-                                   sequence_len_offset, inference_params=inference_params, **kwargs)
+    def forward_bound(self, binding, hidden_states, attention_mask, inference_context=None,
+                      packed_seq_params=None, sequence_len_offset=None, *, inference_params=None, **kwargs):
+        """The mode's method on ``hidden_states`` (see module doc)."""
         if packed_seq_params is not None:
             raise ValueError("LongStraw Gated DeltaNet: packed sequences are not supported in "
                              "capture/replay")
-        mode, state = binding.mode, binding.state
-        cp_group = context_parallel_group()
-        cp_capture = cp_group is not None and mode == Mode.CAPTURE
-        cp_sweep = cp_group is not None and mode == Mode.SWEEP  # a shard of a chunk, with autograd
-        gather = all_gather_rows_with_grad if cp_sweep else all_gather_rows
-        if cp_group is not None and mode == Mode.REFERENCE:
-            raise ValueError(f"LongStraw Gated DeltaNet: the full-graph baseline (--replay-mode full) "
-                             f"is not supported with --context-parallel-size {cp_group.size()} > 1")
-        if (cp_capture or cp_sweep) and binding.shard_sizes is None:
-            raise ValueError("LongStraw Gated DeltaNet: capture under context parallelism needs the "
-                             "chunk's shard sizes (use capture_prompt)")
-        prefix = binding.prefix_length if mode == Mode.REFERENCE else 0
-        sweep = mode == Mode.SWEEP
-        stateful = mode in (Mode.CAPTURE, Mode.REPLAY, Mode.DECODE, Mode.SWEEP)  # starts from a state
-        updates = mode in (Mode.CAPTURE, Mode.DECODE, Mode.SWEEP)  # computes its final state
-        if stateful:
-            start_recurrent, start_tail = self._start_state(binding)
-            if cp_sweep:  # one start state, read on every rank: its gradient sums every rank's
-                start_recurrent, start_tail = (copy_to_tensor_model_parallel_region(t, group=cp_group)
-                                               for t in (start_recurrent, start_tail))
+        return super().forward_bound(binding, hidden_states)
 
+    def forward_capture(self, binding: CaptureBinding, hidden_states):
+        """The chunk from the state so far, whose final state then replaces it; with ``exact``
+        the state before the chunk is kept as the reverse sweep's start. Under CP the state is
+        handed across the chunk's shards (``_capture_cp_*``)."""
+        state = binding.state
+        shards = _shards(binding, all_gather_rows)
+        if binding.exact:
+            state.chunk_starts[binding.position_offset] = (state.recurrent_BHKV.clone(), state.conv_tail_BCW.clone())
+        out, (recurrent, tail) = self._mixer(hidden_states, (state.recurrent_BHKV, state.conv_tail_BCW),
+                                             valid_length=binding.valid_length, shards=shards, final_state=True)
+        state.recurrent_BHKV.copy_(recurrent)
+        state.conv_tail_BCW.copy_(tail)
+        return out
+
+    def forward_replay(self, binding: ReplayBinding, hidden_states):
+        """The responses from the prompt state (read with gradients in exact replay); under CP the
+        state is replicated, and every rank replays the whole response."""
+        start = read_state(binding, "recurrent_BHKV"), read_state(binding, "conv_tail_BCW")
+        return self._mixer(hidden_states, start)[0]
+
+    def forward_decode(self, binding: DecodeBinding, hidden_states):
+        """The samples' next tokens from their own state, updated in place (fixed shapes)."""
+        state = binding.state
+        out, (recurrent, tail) = self._mixer(hidden_states, (state.recurrent_BHKV, state.conv_tail_BCW),
+                                             valid_length=binding.valid_length, final_state=True, decode=True)
+        state.recurrent_BHKV.copy_(recurrent)
+        state.conv_tail_BCW.copy_(tail)
+        return out
+
+    def forward_sweep(self, binding: SweepBinding, hidden_states):
+        """The reverse sweep's recomputed chunk from its kept start state (``_sweep_start``); the
+        chunk's final state receives its accumulated gradient. Under CP the shard's hand-over is
+        gathered with autograd; the start state, read on every rank, gets the sum of every rank's
+        gradient, and the final state, replicated, its gradient on the last rank only."""
+        state, group = binding.state, context_parallel_group()
+        shards = _shards(binding, all_gather_rows_with_grad)
+        start = self._sweep_start(binding)
+        if group is not None:  # one start state, read on every rank: its gradient sums every rank's
+            start = tuple(copy_to_tensor_model_parallel_region(t, group=group) for t in start)
+        out, (recurrent, tail) = self._mixer(hidden_states, start, valid_length=binding.valid_length,
+                                             shards=shards, final_state=True)
+        grad_recurrent, grad_tail = state.grads.buffer("recurrent_BHKV"), state.grads.buffer("conv_tail_BCW")
+        if group is not None and dist.get_rank(group) < dist.get_world_size(group) - 1:
+            # the final state is one value replicated on every rank: its gradient enters once,
+            # on the last rank; zeros elsewhere, so that every rank runs the fold's backward
+            grad_recurrent, grad_tail = torch.zeros_like(grad_recurrent), torch.zeros_like(grad_tail)
+        binding.targets.inject(recurrent, grad_recurrent)
+        binding.targets.inject(tail, grad_tail)
+        return out
+
+    def forward_reference(self, binding: ReferenceBinding, hidden_states):
+        """The whole sequence from the zero state, the prompt rows of what forms the state
+        detached; not under CP."""
+        group = context_parallel_group()
+        if group is not None:
+            raise ValueError(f"LongStraw Gated DeltaNet: the full-graph baseline (--replay-mode full) "
+                             f"is not supported with --context-parallel-size {group.size()} > 1")
+        return self._mixer(hidden_states, prefix_length=binding.prefix_length)[0]
+
+    def _mixer(self, hidden_states, start=None, *, valid_length: Optional[int] = None, prefix_length: int = 0,
+               shards: Optional[_Shards] = None, final_state: bool = False, decode: bool = False):
+        """Megatron's Gated DeltaNet on ``hidden_states`` ``[s, b, h]``, every mode's steps:
+        ``(output [s, b, h], (final recurrent state, final conv tail) or None)``.
+
+        ``start``: ``(recurrent state, conv tail)`` to start from (``None``: zeros);
+        ``valid_length``: the real tokens, the state runs over them (sequence parallelism pads
+        the tokens at the end; the padding rows' output is zeros); ``prefix_length``: rows
+        whose state-forming tensors are detached; ``shards``: this input is a CP shard of a
+        chunk, the state handed across the shards (``_capture_cp_*``); ``final_state``: compute
+        the final state; ``decode``: the decode step's kernel (``_decode_kernel``).
+        """
         qkvzba_BSX = self.in_proj(hidden_states)[0].transpose(0, 1)
         padded_len = qkvzba_BSX.shape[1]
-        if mode in (Mode.CAPTURE, Mode.DECODE, Mode.SWEEP) and binding.valid_length is not None:
-            # sequence parallelism pads the tokens at the end: the state runs over the real ones
-            qkvzba_BSX = qkvzba_BSX[:, :binding.valid_length]
+        if valid_length is not None:
+            qkvzba_BSX = qkvzba_BSX[:, :valid_length]
         batch, seq_len = qkvzba_BSX.shape[:2]
         # Megatron's feat_dim_split divides by the CP size (its CP splits heads); every head is local here
         heads_v = self.num_value_heads // self.tp_size
@@ -187,49 +246,42 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         gate = gate.reshape(batch, seq_len, -1, self.value_head_dim)
 
         conv_state = chunk_tail = None
-        if stateful:  # fla's conv state is [b, channels, kernel]
+        if start is not None:  # fla's conv state is [b, channels, kernel]
+            start_recurrent, start_tail = start
             tail = _batch_to(start_tail, batch)
-            if cp_capture or cp_sweep:
-                tail, chunk_tail = _capture_cp_conv(tail, qkv, binding.shard_sizes, cp_group, gather)
+            if shards is not None:
+                tail, chunk_tail = _capture_cp_conv(tail, qkv, shards.sizes, shards.group, shards.gather)
             conv_state = torch.cat([tail.new_zeros(batch, tail.shape[1], 1), tail], dim=-1)
         qkv, conv_final = mcore_gdn.causal_conv1d(
-            x=detach_prefix(qkv, prefix, 1), weight=self.conv1d.weight.squeeze(1),
+            x=detach_prefix(qkv, prefix_length, 1), weight=self.conv1d.weight.squeeze(1),
             bias=self.conv1d.bias if self.conv_bias else None, activation=self.activation,
-            initial_state=conv_state, output_final_state=updates,
+            initial_state=conv_state, output_final_state=final_state,
         )
         with self._whole_heads():
             query, key, value, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(
                 qkv, gate, batch, seq_len, beta, alpha)
         g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
-        key, value, g, beta = (detach_prefix(t, prefix, 1) for t in (key, value, g, beta))
+        key, value, g, beta = (detach_prefix(t, prefix_length, 1) for t in (key, value, g, beta))
 
-        if cp_capture or cp_sweep:
+        if shards is not None:
             core_out, recurrent_final = self._capture_cp_delta_rule(query, key, value, g, beta, start_recurrent,
-                                                                    cp_group, gather)
+                                                                    shards.group, shards.gather)
         else:
-            recurrent = _batch_to(start_recurrent, batch) if stateful else None
-            kernel = _decode_kernel(self.gated_delta_rule) if mode == Mode.DECODE else self.gated_delta_rule
+            recurrent = _batch_to(start_recurrent, batch) if start is not None else None
+            kernel = _decode_kernel(self.gated_delta_rule) if decode else self.gated_delta_rule
             core_out, recurrent_final = kernel(
                 query, key, value, g=g, beta=beta, initial_state=recurrent,
-                output_final_state=updates, use_qk_l2norm_in_kernel=False,
+                output_final_state=final_state, use_qk_l2norm_in_kernel=False,
             )
-        if sweep:  # the chunk's final state receives its accumulated gradient
-            grad_recurrent, grad_tail = state.grads.buffer("recurrent_BHKV"), state.grads.buffer("conv_tail_BCW")
-            if cp_sweep and dist.get_rank(cp_group) < dist.get_world_size(cp_group) - 1:
-                # the final state is one value replicated on every rank: its gradient enters once,
-                # on the last rank; zeros elsewhere, so that every rank runs the fold's backward
-                grad_recurrent, grad_tail = torch.zeros_like(grad_recurrent), torch.zeros_like(grad_tail)
-            binding.sweep.inject(recurrent_final, grad_recurrent)
-            binding.sweep.inject(conv_final[:, :, 1:] if chunk_tail is None else chunk_tail, grad_tail)
-        elif updates:
-            state.recurrent_BHKV.copy_(recurrent_final)
-            state.conv_tail_BCW.copy_(conv_final[:, :, 1:] if chunk_tail is None else chunk_tail)
+        final = None
+        if final_state:
+            final = recurrent_final, conv_final[:, :, 1:] if chunk_tail is None else chunk_tail
 
         # Megatron's _gated_norm_and_a2a without its CP all-to-all (every head is local here)
         norm_out = self._apply_gated_norm(core_out, gate).reshape(batch, seq_len, -1)
         if padded_len > seq_len:  # the padding rows' output: zeros
             norm_out = torch.cat([norm_out, norm_out.new_zeros(batch, padded_len - seq_len, norm_out.shape[-1])], 1)
-        return self.out_proj(norm_out.transpose(0, 1).contiguous())
+        return self.out_proj(norm_out.transpose(0, 1).contiguous()), final
 
     def _compute_g_and_beta(self, A_log_local_cp, dt_bias_local_cp, alpha, beta):
         """Megatron's decay and beta; in fp64 for an fp64 model, where Megatron computes the decay in
@@ -246,19 +298,11 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         y = self.out_norm(x.reshape(-1, x.shape[-1]))
         return y * self.act_fn(gate.reshape(-1, gate.shape[-1]))
 
-    def _start_state(self, binding):
-        """``(recurrent state, conv tail)`` the bound forward starts from: the state so far, read
-        with gradients in exact replay; in capture with ``exact`` it is also kept as the chunk's
-        start; in the sweep the kept start of the chunk, whose gradients become those of the
+    def _sweep_start(self, binding: SweepBinding):
+        """``(recurrent state, conv tail)`` the swept chunk starts from: its start kept by the
+        exact capture, read with gradients into fresh buffers, which become the gradients of the
         previous chunk's final state once the chunk's backward is done."""
-        state, mode = binding.state, binding.mode
-        if mode == Mode.CAPTURE and binding.exact:
-            state.chunk_starts[binding.position_offset] = (state.recurrent_BHKV.clone(), state.conv_tail_BCW.clone())
-        if mode == Mode.REPLAY and binding.exact:
-            return (read_with_grad(state.recurrent_BHKV, state.grads.buffer("recurrent_BHKV")),
-                    read_with_grad(state.conv_tail_BCW, state.grads.buffer("conv_tail_BCW")))
-        if mode != Mode.SWEEP:
-            return state.recurrent_BHKV, state.conv_tail_BCW
+        state = binding.state
         recurrent, tail = state.chunk_starts[binding.position_offset]
         grad_recurrent = torch.zeros_like(state.grads.buffer("recurrent_BHKV"))
         grad_tail = torch.zeros_like(state.grads.buffer("conv_tail_BCW"))
@@ -266,7 +310,7 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
         def hand_on():
             state.grads.replace("recurrent_BHKV", grad_recurrent)
             state.grads.replace("conv_tail_BCW", grad_tail)
-        binding.sweep.then(hand_on)
+        binding.targets.then(hand_on)
         return read_with_grad(recurrent, grad_recurrent), read_with_grad(tail, grad_tail)
 
     def _capture_cp_delta_rule(self, query, key, value, g, beta, start_BHKV, cp_group, gather=all_gather_rows):
@@ -293,3 +337,14 @@ class LongStrawGatedDeltaNet(GatedDeltaNet, StatefulModule):
             output_final_state=False, use_qk_l2norm_in_kernel=False,
         )
         return core_out, final
+
+
+def _shards(binding, gather: Callable) -> Optional[_Shards]:
+    """The CP shards of a capture or sweep binding's chunk (``None`` without CP)."""
+    group = context_parallel_group()
+    if group is None:
+        return None
+    if binding.shard_sizes is None:
+        raise ValueError("LongStraw Gated DeltaNet: capture under context parallelism needs the "
+                         "chunk's shard sizes (use capture_prompt)")
+    return _Shards(group, binding.shard_sizes, gather)

@@ -26,7 +26,7 @@ import torch
 
 from megatron_longstraw.attention.cp_sparse_attention import cp_index_topk, cp_sparse_latent_attention, up_project
 from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise, sparse_latent_attention
-from megatron_longstraw.attention.kernel_options import KernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
 
 
 def _own_start(prompt_P1D, prompt_length: Optional[int], prompt_pos_P, cp_group) -> int:

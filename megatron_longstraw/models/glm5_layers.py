@@ -16,15 +16,17 @@ summed by the sequence-parallel gather, the RoPE part is not). Forward logits ar
 ``kv_down`` gradients are not. Megatron's Transformer Engine spec avoids that path by using
 duplicated down projections; the subclass does the same with ``DuplicatedLinear``.
 
-LongStraw (capture/replay/decode, ``longstraw.binding``): ``LongStrawAbsorbedMLASelfAttention``
+LongStraw (capture/replay/decode/sweep, ``core/binding.py``): ``LongStrawAbsorbedMLASelfAttention``
 owns the MLA latent state, ``LongStrawDSAIndexer`` the indexer keys (``glm5_state``), and
 ``LongStrawDSAttention`` attends new tokens over ``[prompt state; new tokens]``
 (``prefix_sparse_attention``), or in decode over ``[shared prompt state; the sample's own
-tokens]`` (``glm5_decode``). Under context parallelism capture, replay, the prompt sweep and
-decoding select the top-k and attend over every CP rank's shard
-(``attention/cp_sparse_attention.py``); in decode every CP rank runs the same samples, whose own
-latents and indexer keys are replicated. The full-graph baseline (``Mode.REFERENCE``) is refused
-under CP.
+tokens]`` (``glm5_decode``); each has one method per mode (the MLA layer's ``forward_<mode>``
+calls the DSA core's ``attend_<mode>``, which asks the indexer's ``topk``, dispatched to its
+``topk_<mode>``). Under context parallelism capture, replay, the prompt sweep and decoding
+select the top-k and attend over every CP rank's shard (``attention/cp_sparse_attention.py``),
+each mode in its own CP branch; in decode every CP rank runs the same samples, whose own latents
+and indexer keys are replicated. The full-graph baseline (``ReferenceBinding``) is refused under
+CP.
 The indexer and the sparse attention run their blockwise kernels with their ``kernel_options``
 (``attention/kernel_options.py``), which the model build sets. Unbound, all three are
 Megatron's modules unchanged.
@@ -47,10 +49,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_longstraw.attention.cp_sparse_attention import (
     chunk_query_positions, cp_index_topk, cp_sparse_latent_attention, cp_sweep_sparse_latent_attention, up_project)
 from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise, sparse_latent_attention
-from megatron_longstraw.attention.kernel_options import KernelOptions, UsesKernelOptions
-from megatron_longstraw.core.binding import Mode, StatefulModule, detach_prefix, pad_rows_to
+from megatron_longstraw.attention.kernel_options import UsesKernelOptions
+from megatron_longstraw.config.kernels import KernelOptions
+from megatron_longstraw.core.binding import (
+    CaptureBinding, DecodeBinding, ReferenceBinding, ReplayBinding, StatefulModule, SweepBinding, detach_prefix,
+    pad_rows_to, read_state)
 from megatron_longstraw.core.collectives import all_gather_rows, context_parallel_group
-from megatron_longstraw.core.state_grad import read_with_grad
 from megatron_longstraw.models.glm5_decode import decode_index_topk, decode_sparse_attention
 from megatron_longstraw.models.glm5_state import (
     IndexerDecodeState, IndexerKeyState, MLADecodeState, MLALatentState)
@@ -129,16 +133,14 @@ class RopeOffset:
             self.offset = None
 
 
-def _refuse_unsupported(module, what: str, packed_seq_params=None, inference_context=None, mode=None) -> None:
+def _refuse_unsupported(what: str, packed_seq_params=None, inference_context=None) -> None:
+    """``ValueError`` for packed sequences and Megatron's inference (bound forwards)."""
     if packed_seq_params is not None or inference_context is not None:
         raise ValueError(f"LongStraw {what}: packed sequences and inference are not supported")
-    if module.pg_collection.cp.size() > 1 and mode not in (Mode.CAPTURE, Mode.REPLAY, Mode.SWEEP, Mode.DECODE):
-        raise ValueError(f"LongStraw {what}: under context parallelism the full-graph baseline "
-                         f"(--replay-mode full) is not supported (mode {getattr(mode, 'value', mode)})")
 
 
-def _decode_shard(binding, state, new_tokens: int) -> dict:
-    """``Mode.DECODE`` under CP: the ``glm5_decode`` arguments of this rank's prompt shard (the
+def _decode_shard(binding: DecodeBinding, state, new_tokens: int) -> dict:
+    """Decode under CP: the ``glm5_decode`` arguments of this rank's prompt shard (the
     CP group, its rows' global positions, and the prompt's length, i.e. the position of the
     samples' first own token: ``state`` already holds this step's ``new_tokens``); ``{}``
     without CP."""
@@ -170,15 +172,19 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
     """Megatron's ``DSAIndexer`` that can rank ``[prompt indexer keys; new keys]``.
 
     Its prompt state is the indexer key of every prompt token (``glm5_state.IndexerKeyState``).
-    Unbound, and in ``Mode.REFERENCE``, it is Megatron's indexer unchanged (its keys never carry
-    gradient, so there is nothing to detach).
+    Its ``forward`` is Megatron's in every mode (``StatefulModule`` comes after ``DSAIndexer``):
+    unbound, and under ``ReferenceBinding``, it is Megatron's indexer unchanged (its keys never
+    carry gradient, so there is nothing to detach). Bound, ``LongStrawDSAttention`` asks it for
+    ``topk``: one method per mode, ``topk_capture``, ``topk_replay``, ``topk_sweep``,
+    ``topk_decode``, each with its CP branch (``cp_index_topk``: global top-k positions over
+    every CP rank's keys).
 
     ``--prompt-gradient exact``: the top-k selection is not differentiable and Megatron computes
     the indexer from detached inputs, so in the full graph the loss sends no gradient to the
     indexer keys (nor to its parameters: only the indexer KL loss would, which capture/replay
     refuse). Its keys therefore have no gradient buffer; exact replay reads them as in detached
-    replay, and in ``Mode.SWEEP`` the recomputed chunk ranks ``[prompt keys before the chunk;
-    the chunk's keys]`` without grad and without appending: the selection of the capture.
+    replay, and the sweep's recomputed chunk ranks ``[prompt keys before the chunk; the chunk's
+    keys]`` without grad and without appending: the selection of the capture.
     """
 
     supports_context_parallel = True
@@ -201,161 +207,201 @@ class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
                                   prompt=prompt)
 
     @torch.no_grad()
-    def topk_decode(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
-        """Bound in ``Mode.DECODE``: appends the new tokens' keys to the samples' own keys and
-        returns their top-k ``[b, s, topk]`` over ``[shared prompt keys; own keys]``, causal.
-        Under CP the prompt keys are this rank's shard and the top-k, chosen over every rank's
-        (``decode_index_topk``), holds global positions."""
+    def topk(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        """The new tokens' top-k ``[b, s, topk]`` under the bound mode, causal:
+        ``topk_<mode>(binding, x, qr)``."""
         binding = self.longstraw
+        return self.mode_method("topk", binding)(binding, x, qr)
+
+    def topk_capture(self, binding: CaptureBinding, x, qr) -> torch.Tensor:
+        """The chunk's queries over ``[prompt keys so far; the chunk's keys]``, whose keys are
+        then appended (not the sequence-parallel padding rows). Under CP all the chunk's queries
+        (all-gathered) over every rank's keys."""
         state = binding.state
-        with self.rope_offset.shifted(binding.position_offset):
-            q, k, weights = self.forward_before_topk(x, qr)
-        valid = binding.valid_length or q.shape[0]  # the real tokens (sequence parallelism pads)
+        q, k, weights = self._queries_keys(binding, x, qr)
+        group = context_parallel_group()
+        if group is None:
+            topk = self._topk_local(q, k, weights, state.filled())
+            state.append(k[:binding.valid_length])
+            return topk
+        topk = self._topk_chunk_cp(q, k, weights, binding, state.filled(), state.filled_positions(), group)
+        state.append(k)
+        return topk
+
+    def topk_replay(self, binding: ReplayBinding, x, qr) -> torch.Tensor:
+        """The response's queries over ``[prompt keys; its own keys]``; under CP the replicated
+        response over every rank's keys plus its own."""
+        state = binding.state
+        q, k, weights = self._queries_keys(binding, x, qr)
+        group = context_parallel_group()
+        if group is None:
+            return self._topk_local(q, k, weights, state.filled())
+        query_pos = torch.arange(binding.position_offset, binding.position_offset + q.shape[0], device=q.device)
+        return cp_index_topk(q, weights, [(state.filled(), state.filled_positions())], query_pos, self.index_topk,
+                             int(query_pos[-1]) + 1, self.config.dsa_indexer_scoring_relu, group,
+                             own_keys_TBD=k, own_pos_T=query_pos, options=self.kernel_options)
+
+    def topk_sweep(self, binding: SweepBinding, x, qr) -> torch.Tensor:
+        """The recomputed chunk's queries over ``[prompt keys before the chunk; the chunk's
+        keys]``, not appended again (the capture's selection); under CP as in capture, over this
+        rank's keys before the chunk's shard (its first ``local_offset`` rows)."""
+        state, before = binding.state, binding.local_offset
+        q, k, weights = self._queries_keys(binding, x, qr)
+        group = context_parallel_group()
+        if group is None:
+            return self._topk_local(q, k, weights, state.key_SBD[:before])
+        return self._topk_chunk_cp(q, k, weights, binding, state.filled()[:before],
+                                   state.filled_positions()[:before], group)
+
+    def topk_decode(self, binding: DecodeBinding, x, qr) -> torch.Tensor:
+        """Appends the new tokens' keys to the samples' own keys; their top-k over ``[shared
+        prompt keys; own keys]``. Under CP the prompt keys are this rank's shard and the top-k,
+        chosen over every rank's (``decode_index_topk``), holds global positions."""
+        state = binding.state
+        q, k, weights = self._queries_keys(binding, x, qr)
+        valid = binding.valid_length  # the real tokens (sequence parallelism pads)
         q, k, weights = q[:valid], k[:valid], weights[:valid]
         state.append(k)
         return decode_index_topk(q, weights, state.prompt.filled(), state.filled(), self.index_topk,
                                  use_relu=self.config.dsa_indexer_scoring_relu, options=self.kernel_options,
                                  **_decode_shard(binding, state, q.shape[0]))
 
-    @torch.no_grad()
-    def topk_after_prefix(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
-        """Top-k ``[b, s, topk]`` of the new tokens over ``[prompt keys; new keys]``, causal.
-
-        Bound in ``Mode.CAPTURE`` it then appends the new keys to the state. In ``Mode.SWEEP``
-        (a prompt chunk recomputed) the prompt keys are those before the chunk, which is not
-        appended again: the capture's selection.
-        """
-        binding = self.longstraw
-        state = binding.state
+    def _queries_keys(self, binding, x, qr):
+        """Megatron's indexer queries, keys and weights of the new tokens, RoPE at their positions."""
         with self.rope_offset.shifted(binding.position_offset):
-            q, k, weights = self.forward_before_topk(x, qr)
-        group = context_parallel_group()
-        if group is not None:
-            return self._topk_context_parallel(q, k, weights, binding, group)
-        before = binding.position_offset if binding.mode == Mode.SWEEP else state.length
-        topk = index_topk_blockwise(q, weights, [(state.key_SBD[:before], 0), (k, before)], before,
-                                    self.index_topk, self.config.dsa_indexer_scoring_relu, self.kernel_options)
-        if binding.mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
-            state.append(k[:binding.valid_length])
-        return topk
+            return self.forward_before_topk(x, qr)
 
-    def _topk_context_parallel(self, q, k, weights, binding, group):
-        """Global top-k positions over every CP rank's keys (``cp_index_topk``): in CAPTURE for all
-        of the chunk's queries (all-gathered), in SWEEP the same over the keys before the chunk
-        (not appended again), in REPLAY for the replicated response."""
-        state, relu = binding.state, self.config.dsa_indexer_scoring_relu
-        pages, pages_pos = state.filled(), state.filled_positions()
-        if binding.mode == Mode.SWEEP:  # this rank's keys before the chunk's shard
-            pages, pages_pos = pages[:binding.local_offset], pages_pos[:binding.local_offset]
-        if binding.mode in (Mode.CAPTURE, Mode.SWEEP):
-            sizes = binding.shard_sizes
-            _, query_pos = chunk_query_positions(binding, group, q.device)
-            own_pos = torch.arange(binding.position_offset, binding.position_offset + k.shape[0], device=q.device)
-            topk = cp_index_topk(torch.cat(all_gather_rows(q, sizes, group)),
-                                 torch.cat(all_gather_rows(weights, sizes, group)),
-                                 [(pages, pages_pos), (k, own_pos)], query_pos,
-                                 self.index_topk, int(query_pos[-1]) + 1, relu, group, options=self.kernel_options)
-            if binding.mode == Mode.CAPTURE:
-                state.append(k)
-            return topk
-        query_pos = torch.arange(binding.position_offset, binding.position_offset + q.shape[0], device=q.device)
-        return cp_index_topk(q, weights, [(pages, pages_pos)], query_pos, self.index_topk, int(query_pos[-1]) + 1,
-                             relu, group, own_keys_TBD=k, own_pos_T=query_pos, options=self.kernel_options)
+    def _topk_local(self, q, k, weights, keys_before_SBD) -> torch.Tensor:
+        """Top-k of the queries over ``[keys_before; k]`` (without CP)."""
+        before = keys_before_SBD.shape[0]
+        return index_topk_blockwise(q, weights, [(keys_before_SBD, 0), (k, before)], before, self.index_topk,
+                                    self.config.dsa_indexer_scoring_relu, self.kernel_options)
+
+    def _topk_chunk_cp(self, q, k, weights, binding, pages, pages_pos, group) -> torch.Tensor:
+        """Under CP, a chunk's (capture, sweep): global top-k positions of all the chunk's queries
+        (all-gathered) over every rank's ``pages`` (at ``pages_pos``) and shard of the chunk."""
+        sizes = binding.shard_sizes
+        _, query_pos = chunk_query_positions(binding, group, q.device)
+        own_pos = torch.arange(binding.position_offset, binding.position_offset + k.shape[0], device=q.device)
+        return cp_index_topk(torch.cat(all_gather_rows(q, sizes, group)),
+                             torch.cat(all_gather_rows(weights, sizes, group)),
+                             [(pages, pages_pos), (k, own_pos)], query_pos, self.index_topk, int(query_pos[-1]) + 1,
+                             self.config.dsa_indexer_scoring_relu, group, options=self.kernel_options)
 
 
 class LongStrawDSAttention(DSAttention, UsesKernelOptions):
-    """Megatron's ``DSAttention`` plus ``forward_after_prefix`` for capture/replay.
+    """Megatron's ``DSAttention`` plus one method per mode for capture/replay/sweep/decode.
 
-    The prompt latents are passed in by the MLA layer that owns them; the top-k comes from this
-    layer's ``LongStrawDSAIndexer`` or, for a shared layer, from its source layer's selection in
-    the same forward, exactly as in Megatron's forward (same holder).
+    The MLA layer that owns the latents calls the method of its mode, ``attend_<mode>``, with
+    its binding and its pages; the top-k comes from this layer's ``LongStrawDSAIndexer`` or, for
+    a shared layer, from its source layer's selection in the same forward, exactly as in
+    Megatron's forward (same holder). Under ``ReferenceBinding`` Megatron's ``forward`` runs.
     """
 
-    def _topk(self, x, qr, select):
-        """This layer's top-k from ``select(x, qr)`` (its indexer), or its source layer's when shared."""
+    def _topk(self, x, qr):
+        """This layer's top-k from its indexer (``LongStrawDSAIndexer.topk``), or its source
+        layer's when shared."""
         holder = self._get_index_share_topk_holder(None, None) if self.index_share else None
         if self.skip_topk:
             if self.source_layer not in holder:
                 raise RuntimeError(f"DSA shared layer {self.layer_number}: source layer "
                                    f"{self.source_layer} did not run before it")
             return holder[self.source_layer]
-        topk = select(x, qr)
+        topk = self.indexer.topk(x, qr)
         if holder is not None:
             holder[self.layer_number] = topk
         return topk
 
-    def forward_after_prefix(self, query_SBNK, key_SB1K, prefix_key_SBK, x, qr, up_v_weight, binding=None):
-        """New tokens' attention over ``[prompt latents; new latents]``; ``[s, b, heads * v]``.
-
-        ``binding``: the MLA layer's (its state holds the latents); needed under CP only.
-        """
-        _refuse_unsupported(self, "DSA", mode=getattr(binding, "mode", None))
+    def _prefix_topk(self, x, qr):
+        """``_topk`` of capture, replay and the sweep, from detached inputs (no indexer loss)."""
         if self.training and torch.is_grad_enabled() and (self.config.dsa_indexer_loss_coeff or 0) > 0:
             raise ValueError("LongStraw DSA: the indexer KL loss (--dsa-indexer-loss-coeff > 0) is "
                              "not supported in capture/replay")
-        topk = self._topk(x.detach(), qr.detach(), lambda x, qr: self.indexer.topk_after_prefix(x, qr))
-        group = context_parallel_group()
-        if group is not None:
-            return self._attention_context_parallel(query_SBNK, key_SB1K.squeeze(2), prefix_key_SBK, topk,
-                                                    up_v_weight, binding, group)
-        return prefix_sparse_attention(query_SBNK, key_SB1K.squeeze(2), prefix_key_SBK, topk,
-                                       up_v_weight, self.softmax_scale, self.config, self.kernel_options)
+        return self._topk(x.detach(), qr.detach())
 
-    def _attention_context_parallel(self, query_SBNK, key_SBK, pages_SBK, topk_BSK, up_v_weight, binding, group):
-        """``cp_sparse_latent_attention`` over every CP rank's latents: in CAPTURE all the chunk's
-        queries over this rank's pages ``pages_SBK`` (its first rows) and shard of the chunk (this
-        rank's rows returned), in SWEEP the same with autograd (``cp_sweep_sparse_latent_attention``),
-        in REPLAY the replicated response over the pages plus its own latents."""
-        v_channels = self.config.kv_lora_rank
-        pages = (pages_SBK, binding.state.filled_positions()[:pages_SBK.shape[0]])
-        own_pos = torch.arange(binding.position_offset, binding.position_offset + key_SBK.shape[0],
-                               device=query_SBNK.device)
-        if binding.mode == Mode.SWEEP:
-            out = cp_sweep_sparse_latent_attention(query_SBNK, [pages, (key_SBK, own_pos)], topk_BSK,
-                                                   self.softmax_scale, v_channels, binding.shard_sizes, group,
-                                                   options=self.kernel_options)
-        elif binding.mode == Mode.CAPTURE:
-            mine, _ = chunk_query_positions(binding, group, query_SBNK.device)
-            out = cp_sparse_latent_attention(
-                torch.cat(all_gather_rows(query_SBNK, binding.shard_sizes, group)), [pages, (key_SBK, own_pos)],
-                topk_BSK, self.softmax_scale, v_channels, group,
-                options=self.kernel_options)[mine:mine + key_SBK.shape[0]]
-        else:
-            out = cp_sparse_latent_attention(query_SBNK, [pages], topk_BSK, self.softmax_scale,
-                                             v_channels, group, own_keys_TBK=key_SBK, own_pos_T=own_pos,
-                                             options=self.kernel_options)
+    def attend_capture(self, binding: CaptureBinding, query_SBNK, key_SBK, pages_SBK, x, qr, up_v_weight):
+        """The chunk's attention over ``[pages; its own latents]``; ``[s, b, heads * v]``. Under
+        CP all the chunk's queries (all-gathered) over this rank's pages and shard of the chunk,
+        merged over the group; this rank's rows returned."""
+        topk = self._prefix_topk(x, qr)
+        group = context_parallel_group()
+        if group is None:
+            return prefix_sparse_attention(query_SBNK, key_SBK, pages_SBK, topk, up_v_weight, self.softmax_scale,
+                                           self.config, self.kernel_options)
+        mine, _ = chunk_query_positions(binding, group, query_SBNK.device)
+        out = cp_sparse_latent_attention(
+            torch.cat(all_gather_rows(query_SBNK, binding.shard_sizes, group)),
+            [_positioned(binding, pages_SBK), (key_SBK, _own_positions(binding, key_SBK))], topk,
+            self.softmax_scale, self.config.kv_lora_rank, group,
+            options=self.kernel_options)[mine:mine + key_SBK.shape[0]]
+        return up_project(out, up_v_weight)
+
+    def attend_replay(self, binding: ReplayBinding, query_SBNK, key_SBK, pages_SBK, x, qr, up_v_weight):
+        """The response's attention over ``[pages; its own latents]``; under CP the replicated
+        response over every rank's pages plus its own latents."""
+        topk = self._prefix_topk(x, qr)
+        group = context_parallel_group()
+        if group is None:
+            return prefix_sparse_attention(query_SBNK, key_SBK, pages_SBK, topk, up_v_weight, self.softmax_scale,
+                                           self.config, self.kernel_options)
+        out = cp_sparse_latent_attention(query_SBNK, [_positioned(binding, pages_SBK)], topk, self.softmax_scale,
+                                         self.config.kv_lora_rank, group, own_keys_TBK=key_SBK,
+                                         own_pos_T=_own_positions(binding, key_SBK), options=self.kernel_options)
+        return up_project(out, up_v_weight)
+
+    def attend_sweep(self, binding: SweepBinding, query_SBNK, key_SBK, pages_SBK, x, qr, up_v_weight):
+        """The recomputed chunk's attention over ``[pages before it; its own latents]``, with
+        autograd; under CP as in capture (``cp_sweep_sparse_latent_attention``)."""
+        topk = self._prefix_topk(x, qr)
+        group = context_parallel_group()
+        if group is None:
+            return prefix_sparse_attention(query_SBNK, key_SBK, pages_SBK, topk, up_v_weight, self.softmax_scale,
+                                           self.config, self.kernel_options)
+        out = cp_sweep_sparse_latent_attention(
+            query_SBNK, [_positioned(binding, pages_SBK), (key_SBK, _own_positions(binding, key_SBK))], topk,
+            self.softmax_scale, self.config.kv_lora_rank, binding.shard_sizes, group, options=self.kernel_options)
         return up_project(out, up_v_weight)
 
     @torch.no_grad()
-    def forward_decode(self, query_SBNK, latents: MLADecodeState, x, qr, up_v_weight, binding):
-        """Decode: the newest tokens' attention over ``[shared prompt latents; the samples' own
-        latents]`` (the new ones already appended to ``latents``); ``[s, b, heads * v]``.
-        ``binding``: the MLA layer's. Under CP the prompt latents are this rank's shard and the
-        partials merge over the group (``decode_sparse_attention``)."""
-        _refuse_unsupported(self, "DSA", mode=Mode.DECODE)
-        topk = self._topk(x, qr, lambda x, qr: self.indexer.topk_decode(x, qr))
+    def attend_decode(self, binding: DecodeBinding, query_SBNK, latents: MLADecodeState, x, qr, up_v_weight):
+        """The newest tokens' attention over ``[shared prompt latents; the samples' own
+        latents]`` (the new ones already appended to ``latents``); ``[s, b, heads * v]``. Under
+        CP the prompt latents are this rank's shard and the partials merge over the group
+        (``decode_sparse_attention``)."""
+        topk = self._topk(x, qr)
         return decode_sparse_attention(query_SBNK, latents.prompt.filled(), latents.filled(), topk,
                                        up_v_weight, self.softmax_scale, self.config.kv_lora_rank,
                                        options=self.kernel_options,
                                        **_decode_shard(binding, latents, query_SBNK.shape[0]))
 
 
-class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule):
+def _positioned(binding, pages_SBK) -> tuple:
+    """Under CP: this rank's ``pages_SBK`` (the first rows of its latents) with their global
+    positions."""
+    return pages_SBK, binding.state.filled_positions()[:pages_SBK.shape[0]]
+
+
+def _own_positions(binding, key_SBK) -> torch.Tensor:
+    """The global positions of this forward's own latents."""
+    return torch.arange(binding.position_offset, binding.position_offset + key_SBK.shape[0], device=key_SBK.device)
+
+
+class LongStrawAbsorbedMLASelfAttention(StatefulModule, AbsorbedMLASelfAttention):
     """Megatron's ``AbsorbedMLASelfAttention`` with the MLA latent as LongStraw prompt state.
 
-    Unbound: Megatron's forward. Bound (``longstraw.bind``): RoPE starts at the binding's
-    ``position_offset``; ``Mode.CAPTURE`` attends the chunk over the latents captured so far plus
-    itself and appends its latents; ``Mode.REPLAY`` attends the response over the prompt latents
-    plus itself; ``Mode.DECODE`` appends each sample's new latents to its own and attends over the
-    shared prompt latents plus its own; ``Mode.REFERENCE`` is the ordinary full-sequence forward with the prompt rows of
-    the latent (``c_kv`` and ``k_rope``, the core attention's key) detached. The core attention
-    must be ``LongStrawDSAttention``.
+    Unbound: Megatron's forward. Bound (``core/binding.py``), one method per mode, RoPE starting
+    at the binding's ``position_offset``: capture attends the chunk over the latents captured so
+    far plus itself and appends its latents; replay attends the response over the prompt latents
+    plus itself; decode appends each sample's new latents to its own and attends over the shared
+    prompt latents plus its own; the reference mode is the ordinary full-sequence forward with
+    the prompt rows of the latent (``c_kv`` and ``k_rope``, the core attention's key) detached.
+    The core attention must be ``LongStrawDSAttention`` (its ``attend_<mode>``).
 
-    ``--prompt-gradient exact`` (``core/state_grad.py``): exact ``Mode.REPLAY`` reads the prompt
-    latents with gradients into their buffer (``grads.buffer("latent_SBD")``); ``Mode.SWEEP``
-    attends the recomputed chunk over ``[latents before the chunk (read with gradients); its own
-    latents]`` and injects the own latents' accumulated gradients. The latents are the whole MLA
-    state (what ``Mode.REFERENCE`` detaches); no chunk-start state is needed.
+    ``--prompt-gradient exact`` (``core/state_grad.py``): exact replay reads the prompt latents
+    with gradients into their buffer (``read_state``); the sweep attends the recomputed chunk
+    over ``[latents before the chunk (read with gradients); its own latents]`` and injects the
+    own latents' accumulated gradients. The latents are the whole MLA state (what the reference
+    mode detaches); no chunk-start state is needed.
     """
 
     supports_context_parallel = True
@@ -378,76 +424,103 @@ class LongStrawAbsorbedMLASelfAttention(AbsorbedMLASelfAttention, StatefulModule
                                           device=prompt.latent_SBD.device),
                               self.config.kv_lora_rank, prompt=prompt)
 
-    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
-                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
-                rotary_pos_cos_sin=None, attention_bias=None, packed_seq_params=None,
-                position_ids=None, sequence_len_offset=None, *, inference_params=None):
-        """Megatron's forward when unbound; the stateful forward when bound (see class doc)."""
-        binding = self.longstraw
-        if binding is None:
-            return super().forward(
-                hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
-                rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params,
-                position_ids, sequence_len_offset, inference_params=inference_params)
-        _refuse_unsupported(self, "MLA", packed_seq_params, inference_context or inference_params, binding.mode)
+    def forward_bound(self, binding, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                      rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
+                      rotary_pos_cos_sin=None, attention_bias=None, packed_seq_params=None,
+                      position_ids=None, sequence_len_offset=None, *, inference_params=None):
+        """The mode's method, ``forward_<mode>(binding, hidden_states, v_up_weight, ...)`` (the
+        core attention's output), then Megatron's V up projection and output projection."""
+        _refuse_unsupported("MLA", packed_seq_params, inference_context or inference_params)
         if self.config.apply_rope_fusion or self.recompute_up_proj:
             raise ValueError("LongStraw MLA: --apply-rope-fusion and mla_up_proj recompute are not "
                              "supported in capture/replay")
         if not isinstance(self.core_attention, LongStrawDSAttention):
             raise TypeError("LongStraw MLA needs LongStrawDSAttention as core attention")
-        mode, state = binding.mode, binding.state
-        if mode not in (Mode.REFERENCE, Mode.SWEEP) and context_parallel_group() is None:  # CP: global
-            done = state.length + (state.prompt.length if mode == Mode.DECODE else 0)
-            if binding.position_offset != done:
-                raise RuntimeError(f"LongStraw MLA: position offset {binding.position_offset} != "
-                                   f"{done} tokens in the state")
-        with self.rope_offset.shifted(binding.position_offset):
-            q_absorbed, kv_latent, q_compressed = self.get_query_key_value_tensors(hidden_states)
         v_up_weight = self._get_v_up_weight()
-        if mode == Mode.DECODE:  # sequence parallelism pads the tokens at the end: the first rows
-            valid = binding.valid_length or q_absorbed.shape[0]
-            state.append(kv_latent.squeeze(2)[:valid])
-            core_out = pad_rows_to(self.core_attention.forward_decode(
-                q_absorbed[:valid], state, hidden_states, q_compressed, v_up_weight, binding), q_absorbed.shape[0])
-        elif mode == Mode.REFERENCE:
-            core_out = self.core_attention(
-                q_absorbed, detach_prefix(kv_latent, binding.prefix_length, 0), value=None,
-                attention_mask=attention_mask, x=hidden_states, qr=q_compressed,
-                up_v_weight=v_up_weight, position_ids=position_ids, attn_mask_type=self.attn_mask_type)
-        elif mode == Mode.SWEEP:
-            core_out = self._forward_sweep(q_absorbed, kv_latent, hidden_states, q_compressed, v_up_weight,
-                                           binding)
-        else:
-            prefix_SBD = state.filled()
-            if mode == Mode.REPLAY and binding.exact:  # gradients into the latents' buffer
-                prefix_SBD = read_with_grad(prefix_SBD, state.grads.buffer("latent_SBD")[:state.length])
-            core_out = self.core_attention.forward_after_prefix(
-                q_absorbed, kv_latent, prefix_SBD, hidden_states, q_compressed, v_up_weight, binding)
-            if mode == Mode.CAPTURE:  # not the sequence-parallel padding rows
-                state.append(kv_latent.squeeze(2)[:binding.valid_length])
+        core_out = super().forward_bound(binding, hidden_states, v_up_weight, attention_mask=attention_mask,
+                                         position_ids=position_ids)
         core_out = _apply_absorbed_v_up_projection(
             core_out, v_up_weight, self.num_attention_heads_per_partition, self.config.kv_lora_rank,
             self.config.v_head_dim, getattr(self.core_attention, "consumes_absorbed_v_up_projection", False))
         return self.linear_proj(core_out)
 
-    def _forward_sweep(self, q_absorbed, kv_latent, hidden_states, q_compressed, v_up_weight, binding):
-        """The reverse sweep's recomputed chunk (``Mode.SWEEP``): its queries over the latents
-        of the positions before it (their gradients go into the latents' buffer) and its own
-        latents, which receive their rows' accumulated gradients; ``[s, b, heads * v]``. Under CP
-        the chunk is this rank's shard and the latents before it are this rank's first
-        ``binding.local_offset`` rows (the queries travel: ``cp_sweep_sparse_latent_attention``)."""
-        start, valid = binding.position_offset, binding.valid_length or q_absorbed.shape[0]
-        if binding.local_offset is not None:  # the rows of this rank's state before the chunk (CP)
-            start = binding.local_offset
-        state, grad_SBD = binding.state, binding.state.grads.buffer("latent_SBD")
+    def forward_capture(self, binding: CaptureBinding, hidden_states, v_up_weight, **_):
+        """The chunk over the latents so far plus its own, which are then appended (not the
+        sequence-parallel padding rows)."""
+        state = binding.state
+        self._check_position(binding, state.length)
+        query_SBNK, key_SBK, qr = self._project(hidden_states, binding.position_offset)
+        core_out = self.core_attention.attend_capture(binding, query_SBNK, key_SBK, state.filled(), hidden_states,
+                                                      qr, v_up_weight)
+        state.append(key_SBK[:binding.valid_length])
+        return core_out
+
+    def forward_replay(self, binding: ReplayBinding, hidden_states, v_up_weight, **_):
+        """The response over the prompt latents (with gradients into their buffer in exact
+        replay) plus its own."""
+        state = binding.state
+        self._check_position(binding, state.length)
+        query_SBNK, key_SBK, qr = self._project(hidden_states, binding.position_offset)
+        pages_SBK = read_state(binding, "latent_SBD", state.length)
+        return self.core_attention.attend_replay(binding, query_SBNK, key_SBK, pages_SBK, hidden_states, qr,
+                                                 v_up_weight)
+
+    def forward_decode(self, binding: DecodeBinding, hidden_states, v_up_weight, **_):
+        """Each sample's new latents appended to its own (the first ``valid_length`` rows:
+        sequence parallelism pads the tokens at the end), attending over the shared prompt
+        latents plus its own."""
+        state = binding.state
+        self._check_position(binding, state.length + state.prompt.length)
+        query_SBNK, key_SBK, qr = self._project(hidden_states, binding.position_offset)
+        valid = binding.valid_length
+        state.append(key_SBK[:valid])
+        core_out = self.core_attention.attend_decode(binding, query_SBNK[:valid], state, hidden_states, qr,
+                                                     v_up_weight)
+        return pad_rows_to(core_out, query_SBNK.shape[0])
+
+    def forward_sweep(self, binding: SweepBinding, hidden_states, v_up_weight, **_):
+        """The reverse sweep's recomputed chunk: its queries over the latents before it (this
+        rank's first ``local_offset`` rows, read with gradients into the latents' buffer) and its
+        own latents, which receive their rows' accumulated gradients; ``[s, b, heads * v]``.
+        Under CP the chunk is this rank's shard (the queries travel:
+        ``cp_sweep_sparse_latent_attention``)."""
+        state, start, valid = binding.state, binding.local_offset, binding.valid_length
+        query_SBNK, key_SBK, qr = self._project(hidden_states, binding.position_offset)
         if start + valid > state.length:
             raise RuntimeError(f"LongStraw MLA: swept chunk [{start}, {start + valid}) beyond the "
                                f"{state.length} captured tokens")
-        prefix_SBD = read_with_grad(state.latent_SBD[:start], grad_SBD[:start])
-        core_out = self.core_attention.forward_after_prefix(
-            q_absorbed, kv_latent, prefix_SBD, hidden_states, q_compressed, v_up_weight, binding)
-        binding.sweep.inject(kv_latent.squeeze(2)[:valid], grad_SBD[start:start + valid])
+        pages_SBK = read_state(binding, "latent_SBD", start)
+        core_out = self.core_attention.attend_sweep(binding, query_SBNK, key_SBK, pages_SBK, hidden_states, qr,
+                                                    v_up_weight)
+        binding.targets.inject(key_SBK[:valid], state.grads.buffer("latent_SBD")[start:start + valid])
         return core_out
+
+    def forward_reference(self, binding: ReferenceBinding, hidden_states, v_up_weight, attention_mask,
+                          position_ids):
+        """Megatron's core attention over the whole sequence, the prompt rows of the latent
+        detached; not under CP."""
+        if self.pg_collection.cp.size() > 1:
+            raise ValueError("LongStraw MLA: under context parallelism the full-graph baseline "
+                             "(--replay-mode full) is not supported (mode reference)")
+        query_SBNK, key_SB1K, qr = self._project(hidden_states, 0, squeeze=False)
+        return self.core_attention(
+            query_SBNK, detach_prefix(key_SB1K, binding.prefix_length, 0), value=None,
+            attention_mask=attention_mask, x=hidden_states, qr=qr, up_v_weight=v_up_weight,
+            position_ids=position_ids, attn_mask_type=self.attn_mask_type)
+
+    def _project(self, hidden_states, position_offset: int, squeeze: bool = True):
+        """Megatron's absorbed queries, latents (``[s, b, d]``; ``squeeze=False``: its
+        ``[s, b, 1, d]``) and compressed queries, RoPE at positions from ``position_offset``."""
+        with self.rope_offset.shifted(position_offset):
+            query_SBNK, key_SB1K, qr = self.get_query_key_value_tensors(hidden_states)
+        return query_SBNK, key_SB1K.squeeze(2) if squeeze else key_SB1K, qr
+
+    def _check_position(self, binding, tokens_before: int) -> None:
+        """``RuntimeError`` unless the binding's position offset is ``tokens_before``, the tokens
+        in the state (without CP, where the state's rows are the positions)."""
+        if context_parallel_group() is None and binding.position_offset != tokens_before:
+            raise RuntimeError(f"LongStraw MLA: position offset {binding.position_offset} != "
+                               f"{tokens_before} tokens in the state")
 
 
 class GlmAbsorbedMLASelfAttention(LongStrawAbsorbedMLASelfAttention):

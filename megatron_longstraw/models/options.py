@@ -6,44 +6,51 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
-
-TRANSFORMER_IMPLS = ("local", "transformer_engine")
-FP8_FORMATS = ("hybrid", "e4m3")
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+from megatron_longstraw.config.kernels import KernelOptions
+from megatron_longstraw.config.model import (FP8Attention, FP8Format, FP8Recipe, ModelConfig, PrecisionConfig,
+                                             TransformerImpl)
+from megatron_longstraw.config.parallel import ParallelConfig
 
 
 @dataclass
 class ModelOptions:
-    """How to build a model (not what model): backend, dtype, FP8, sequence parallel."""
+    """How to build a model (not what model): backend, dtype, FP8, sequence parallel; the choices
+    are the flags' (``config/model.py``), checked where the flags are."""
 
-    transformer_impl: str = "local"
+    transformer_impl: TransformerImpl = "local"
     params_dtype: torch.dtype = torch.float32
-    fp8_format: Optional[str] = None
-    fp8_recipe: str = "delayed"
+    fp8_format: Optional[FP8Format] = None
+    fp8_recipe: FP8Recipe = "delayed"
+    fp8_attention: FP8Attention = "off"
+    """``--fp8-attention``: ``capture`` hooks the FP8 capture attention into the attention cores."""
     sequence_parallel: bool = False
     recompute_granularity: Optional[str] = None
-    perform_initialization: bool = True  # False: leave weights uninitialized (checkpoint layouts)
-    # the attention kernels' backend and block sizes, handed to the attention modules at the build
+    """Megatron's: ``"full"`` or ``None``."""
+    perform_initialization: bool = True
+    """``False``: leave weights uninitialized (checkpoint layouts)."""
     kernel_options: KernelOptions = field(default_factory=KernelOptions)
+    """The attention kernels' backend and block sizes, handed to the attention modules at the build."""
+
+    @classmethod
+    def of(cls, model: ModelConfig, precision: PrecisionConfig, parallel: ParallelConfig = ParallelConfig(),
+           kernels: KernelOptions = KernelOptions(), **overrides) -> "ModelOptions":
+        """The options of a command's configuration groups (``overrides``: fields set apart)."""
+        options = dict(transformer_impl=model.transformer_impl,
+                       params_dtype=torch.bfloat16 if precision.bf16 else torch.float32,
+                       fp8_format=precision.fp8_format, fp8_recipe=precision.fp8_recipe,
+                       fp8_attention=precision.fp8_attention, sequence_parallel=parallel.sequence_parallel,
+                       recompute_granularity=model.recompute, kernel_options=kernels)
+        return cls(**{**options, **overrides})
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the flag for options that cannot work here."""
-        if self.transformer_impl not in TRANSFORMER_IMPLS:
-            raise ValueError(
-                f"--transformer-impl must be one of {TRANSFORMER_IMPLS}, got {self.transformer_impl!r}"
-            )
-        if self.fp8_format is not None and self.fp8_format not in FP8_FORMATS:
-            raise ValueError(f"--fp8-format must be one of {FP8_FORMATS}, got {self.fp8_format!r}")
-        if self.fp8_recipe not in FP8_RECIPES:
-            raise ValueError(f"--fp8-recipe must be one of {FP8_RECIPES}, got {self.fp8_recipe!r}")
+        """Raise ``ValueError`` naming the flag for options that cannot work here (Transformer
+        Engine absent)."""
         needs_te = self.transformer_impl == "transformer_engine" or self.fp8_format is not None
         if needs_te and not have_transformer_engine():
             flag = "--fp8-format" if self.fp8_format else "--transformer-impl transformer_engine"
             raise ValueError(f"{flag} needs Transformer Engine, which is not installed")
         if self.fp8_format is not None and self.transformer_impl != "transformer_engine":
             raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
-        self.kernel_options.validate()
 
     def config_kwargs(self) -> dict:
         """``TransformerConfig`` keyword arguments common to every family."""

@@ -30,6 +30,11 @@ GPUS: dict[str, GpuSpec] = {
 REFERENCE_GPU = GPUS["h200"]  # where kernels.py's rates were measured
 
 
+def gpu_help() -> str:
+    """The known GPU names, for ``--gpu``'s help."""
+    return ", ".join(GPUS) + "."
+
+
 def gib_of_gb(gb: float) -> float:
     """``gb`` GB (10^9 bytes, as the GPU flags take memory) in GiB (what the planner counts)."""
     return gb * 1e9 / 2 ** 30

@@ -3,7 +3,7 @@
 import itertools
 from dataclasses import dataclass
 
-from megatron_longstraw.distributed import ParallelSizes
+from megatron_longstraw.config.parallel import ParallelSizes
 
 from megatron_longstraw.models.profile import ModelProfile
 

@@ -1,19 +1,24 @@
-"""The planner's flags (shared by ``tools/plan_budget.py``) and its console table."""
+"""The planner's question from its configuration (``config/planner.py``) and its console table."""
 
-import argparse
 from dataclasses import dataclass, field
 
-from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from megatron_longstraw.config.planner import PlannerConfig
 from megatron_longstraw.models.profile import ModelProfile
-from megatron_longstraw.planning.hardware import GPUS, GpuSpec, gib_of_gb, gpu_spec
+from megatron_longstraw.planning.hardware import GpuSpec, gib_of_gb, gpu_spec
 from megatron_longstraw.planning.memory import ALLOWANCE
 from megatron_longstraw.planning.planner import CHUNK_SIZES, LayoutPlan, fastest_fitting, model_profile, plan_all
-from megatron_longstraw.planning.run import PRECISIONS, RunShape
+from megatron_longstraw.planning.run import RunShape
+
+# the planner's layout fields and the configuration fields that fix them ("group.field")
+_LAYOUT_FIELDS = (("tp", "parallel.tensor_model_parallel_size"), ("cp", "parallel.context_parallel_size"),
+                  ("pp", "parallel.pipeline_model_parallel_size"),
+                  ("vpp", "parallel.num_virtual_stages_per_pipeline_rank"),
+                  ("ep", "parallel.expert_model_parallel_size"), ("dp", "query.data_parallel_size"))
 
 
 @dataclass
 class PlanRequest:
-    """A parsed planner command line."""
+    """A planner question: what to plan, and which settings to search."""
 
     profile: ModelProfile
     """The model (its family's ``plan_profile``)."""
@@ -37,83 +42,26 @@ class PlanRequest:
                         **self.fixed)
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """The planner's flags, in Megatron-style groups (the trainer's names where they exist)."""
-    g = parser.add_argument_group("model and GPUs")
-    g.add_argument("--model", default=None, help="preset name, HF folder or config.json (required)")
-    g.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers")
-    g.add_argument("--num-gpus", type=int, default=1, help="GPUs of the run")
-    g.add_argument("--gpu", default=None, help=f"GPU model: {', '.join(GPUS)} (default h200 unless "
-                   "--gpu-memory-gb and --gpu-tflops describe another)")
-    g.add_argument("--gpu-memory-gb", type=float, default=None,
-                   help="usable GPU memory in GB of 10^9 bytes (overrides --gpu's; an H200 has 150.1 usable)")
-    g.add_argument("--gpu-tflops", type=float, default=None, help="dense bf16 peak TFLOP/s (overrides --gpu's)")
-    g = parser.add_argument_group("run")
-    g.add_argument("--prompt-length", type=int, default=1 << 20, help="prompt tokens")
-    g.add_argument("--response-length", type=int, default=8192, help="tokens per response")
-    g.add_argument("--num-generations", type=int, default=8, help="G: responses per prompt")
-    g.add_argument("--prompt-gradient", default="detached", choices=["detached", "exact"],
-                   help="detached (replay only) or exact (state gradients and the prompt backward sweep)")
-    g.add_argument("--global-batch-size", type=int, default=1, help="prompt groups per step over all DP ranks")
-    g.add_argument("--rollout-source", default="internal", choices=["internal", "jsonl"],
-                   help="internal: decode the G responses (timed); jsonl: responses from a file")
-    g.add_argument("--prompt-chunk-size", type=int, default=None,
-                   help=f"capture chunk tokens (default: try {', '.join(f'{c:,}' for c in CHUNK_SIZES)})")
-    g.add_argument("--replay-micro-batch-size", type=int, default=1, help="responses per replay micro-batch")
-    g.add_argument("--recompute-granularity", default=None, choices=["full", "none"],
-                   help="full: replay recomputes each layer in backward (the trainer's flag); none: keeps "
-                   "activations (default: try both)")
-    g.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
-                   help="bf16: the trainer with --bf16 (fp32 gradients, main weights and Adam); fp32: "
-                   "without; bench: tools/bench_longstraw.py (bf16 gradients and Adam moments)")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="under TP shard the activations between layers too (the trainer's flag; not with CP)")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="> 0: a frozen reference copy of the weights is kept")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer states over data-parallel ranks (the trainer's flag)")
-    g = parser.add_argument_group("layout (unset: every valid size)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=None, help="fix TP")
-    g.add_argument("--context-parallel-size", type=int, default=None, help="fix CP")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=None, help="fix PP")
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None, help="fix virtual stages")
-    g.add_argument("--expert-model-parallel-size", type=int, default=None, help="fix EP")
-    g.add_argument("--data-parallel-size", type=int, default=None, help="fix DP")
-
-
-def plan_from_args(args: argparse.Namespace) -> PlanRequest:
-    """Validate the flags (``ValueError`` naming the flag) and build the request."""
-    if not args.model:
-        raise ValueError("--model is required (a preset name, HF folder or config.json)")
-    hf = resolve_hf_config(args.model)
-    if args.num_layers is not None:
-        hf = with_num_layers(hf, args.num_layers)
-    for flag, value in (("--num-gpus", args.num_gpus), ("--gpu-memory-gb", args.gpu_memory_gb),
-                        ("--gpu-tflops", args.gpu_tflops), ("--prompt-chunk-size", args.prompt_chunk_size)):
-        if value is not None and value <= 0:
-            raise ValueError(f"{flag} {value}: must be positive")
-    custom = args.gpu is None and args.gpu_memory_gb is not None and args.gpu_tflops is not None
-    memory_gib = gib_of_gb(args.gpu_memory_gb) if args.gpu_memory_gb is not None else None
-    gpu = gpu_spec(None if custom else (args.gpu or "h200"), memory_gib, args.gpu_tflops)
-    run = RunShape(prompt_length=args.prompt_length, response_length=args.response_length,
-                   num_generations=args.num_generations, prompt_gradient=args.prompt_gradient,
-                   chunk_size=args.prompt_chunk_size or CHUNK_SIZES[-2], micro_batch_size=args.replay_micro_batch_size,
-                   precision=args.precision, distributed_optimizer=args.use_distributed_optimizer,
-                   rollout="internal" if args.rollout_source == "internal" else "file",
-                   global_batch_size=args.global_batch_size, recompute=args.recompute_granularity == "full",
-                   sequence_parallel=args.sequence_parallel, reference_model=args.kl_coef > 0)
-    fixed = dict(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
-                 pp=args.pipeline_model_parallel_size, vpp=args.num_virtual_stages_per_pipeline_rank,
-                 ep=args.expert_model_parallel_size, dp=args.data_parallel_size)
-    for flag, value in fixed.items():
-        if value is not None and value < 1:
-            raise ValueError(f"a parallel size must be at least 1 ({flag}={value})")
+def plan_request(config: PlannerConfig, given: frozenset[str], hf: dict) -> PlanRequest:
+    """The question of a planner command line: ``config`` (its flags ``given``, the others at the
+    trainer's defaults) for the model ``hf``. The layout sizes, ``--prompt-chunk-size`` and
+    ``--recompute-granularity`` the command line does not give are searched."""
+    hardware, query = config.hardware, config.query
+    custom = hardware.gpu is None and hardware.gpu_memory_gb is not None and hardware.gpu_tflops is not None
+    memory_gib = gib_of_gb(hardware.gpu_memory_gb) if hardware.gpu_memory_gb is not None else None
+    gpu = gpu_spec(None if custom else (hardware.gpu or "h200"), memory_gib, hardware.gpu_tflops)
+    run = RunShape.of(config, prompt_length=config.workload.prompt_length,
+                      response_length=config.workload.response_length, precision=query.precision)
+    values = {"parallel": config.parallel, "query": query}
+    fixed = {name: getattr(values[key.split(".")[0]], key.split(".")[1])
+             for name, key in _LAYOUT_FIELDS if key in given}
     profile = model_profile(hf)
     if profile is None:
-        raise ValueError(f"--model {args.model}: the family of model_type {hf['model_type']!r} has no plan_profile, "
-                         "so the planner cannot plan it")
-    return PlanRequest(profile, hf, run, gpu, args.num_gpus, {k: v for k, v in fixed.items() if v},
-                       None if args.prompt_chunk_size else CHUNK_SIZES,
-                       None if args.recompute_granularity else (False, True))
+        raise ValueError(f"--model {config.model.spec}: the family of model_type {hf['model_type']!r} has no "
+                         "plan_profile, so the planner cannot plan it")
+    return PlanRequest(profile, hf, run, gpu, hardware.num_gpus, fixed,
+                       None if "longstraw.prompt_chunk_size" in given else CHUNK_SIZES,
+                       None if "model.recompute_granularity" in given else (False, True))
 
 
 def render_table(request: PlanRequest, plans: list[LayoutPlan]) -> str:

@@ -1,6 +1,11 @@
 """What a planned run does, independent of its layout."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_longstraw.config.planner import PlannerConfig
+    from megatron_longstraw.config.trainer import TrainerConfig
 
 # bytes per parameter of each precision setting: (weights, gradients, optimizer states)
 PRECISIONS = {
@@ -58,6 +63,21 @@ class RunShape:
                             ("--global-batch-size", self.global_batch_size)):
             if value < 1:
                 raise ValueError(f"{flag} {value}: must be at least 1")
+
+    @classmethod
+    def of(cls, config: "TrainerConfig | PlannerConfig", prompt_length: int, response_length: int,
+           precision: str) -> "RunShape":
+        """The step of a trainer's or planner's configuration (the groups that shape it: GRPO,
+        loss, rollout, LongStraw, parallel, model) with the prompt and response lengths and the
+        precision its command gives."""
+        longstraw = config.longstraw
+        return cls(prompt_length=prompt_length, response_length=response_length,
+                   num_generations=config.grpo.num_generations, prompt_gradient=longstraw.prompt_gradient,
+                   chunk_size=longstraw.prompt_chunk_size, micro_batch_size=longstraw.replay_micro_batch_size,
+                   precision=precision, distributed_optimizer=config.parallel.use_distributed_optimizer,
+                   rollout="internal" if config.rollout.rollout_source == "internal" else "file",
+                   global_batch_size=config.training.global_batch_size, recompute=config.model.recompute == "full",
+                   sequence_parallel=config.parallel.sequence_parallel, reference_model=config.loss.kl_coef > 0)
 
     @property
     def exact(self) -> bool:

@@ -20,7 +20,7 @@ running maximum over key blocks and so casts ``P`` against block-local maxima (v
 1 either way, so the same grid). The K/V pages themselves stay in the model's dtype.
 
 ``emulated_fp8_capture_attention(model)`` makes every full-attention core of the model compute
-its capture (``Mode.CAPTURE``, without context parallelism) this way, through the cores'
+its capture (``forward_capture``, without context parallelism) this way, through the cores'
 ``capture_attention`` hook; replay, decode and the prompt backward keep their own attention.
 """
 

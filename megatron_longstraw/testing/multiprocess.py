@@ -100,7 +100,8 @@ def run_multiprocess(fn, world_size: int, *args, timeout: float = 600.0) -> list
 def on_one_rank(fn, *args):
     """``fn(*args)`` in a one-process group (Megatron's parallel state set up, seed 1234), torn
     down afterwards: the single-rank reference that multi-rank runs are compared with."""
-    from megatron_longstraw.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from megatron_longstraw.config.parallel import ParallelSizes
+    from megatron_longstraw.distributed import destroy_distributed, init_distributed
 
     init_distributed(ParallelSizes(), seed=1234)
     try:

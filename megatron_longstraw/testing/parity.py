@@ -5,10 +5,11 @@ import zlib
 import torch
 from megatron.core import parallel_state
 
-from megatron_longstraw.distributed import ParallelSizes, device, init_distributed
+from megatron_longstraw.config.parallel import ParallelSizes
+from megatron_longstraw.distributed import device, init_distributed
 from megatron_longstraw.models.builder import build_stage_model, load_full_state_dict, shard_for_rank
-from megatron_longstraw.models.pipeline_stage import model_chunks
 from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.pipeline_stage import model_chunks
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.models.registry import family_for
 from megatron_longstraw.testing.hf_reference import build_hf_model

@@ -2,7 +2,8 @@
 
 import torch
 
-from megatron_longstraw.distributed import ParallelSizes, init_distributed
+from megatron_longstraw.config.parallel import ParallelSizes
+from megatron_longstraw.distributed import init_distributed
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.models.builder import build_model, load_full_state_dict
 from megatron_longstraw.models.options import ModelOptions

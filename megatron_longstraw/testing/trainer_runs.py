@@ -14,11 +14,11 @@ def train_worker(argv: list[str]) -> dict:
 
     import torch
 
-    args = parse_args(argv, world_size=torch.distributed.get_world_size()
-                                 if torch.distributed.is_initialized() else _world_size())
-    init_distributed(args.parallel, seed=args.seed)
+    config = parse_args(argv, world_size=torch.distributed.get_world_size()
+                        if torch.distributed.is_initialized() else _world_size())
+    init_distributed(config.parallel.sizes, seed=config.training.seed)
     try:
-        metrics, model = train(args)
+        metrics, model = train(config)
         rename = pipeline_global_names(model)
         # numpy: pickles by value
         params = {rename(n): p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}

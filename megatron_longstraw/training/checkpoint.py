@@ -34,6 +34,7 @@ from megatron_longstraw.checkpointing.hf_assets import (
     tokenizer_assets,
 )
 from megatron_longstraw.checkpointing.model_checkpoint import TRACKER_NAME, resolve_checkpoint_dir, write_hf_config
+from megatron_longstraw.config.trainer import TrainerConfig
 
 
 def _rng_state() -> dict:
@@ -71,15 +72,16 @@ def _sharded_state(model, optimizer, reference, rng, is_loading: bool = False) -
     return state
 
 
-def run_assets(args) -> dict[str, bytes]:
+def run_assets(config: TrainerConfig, load: str | None) -> dict[str, bytes]:
     """The tokenizer and generation-config files a run's saves carry (``hf_assets``), read now:
-    those of the checkpoint it resumes (else of the one it starts from), the tokenizer of its
-    ``--tokenizer-model`` (what it tokenized with) replacing theirs as a whole."""
+    those of the checkpoint it resumes (``load``), else of the one it starts from, the tokenizer
+    of its ``--tokenizer-model`` (what it tokenized with) replacing theirs as a whole."""
     kept = {}
-    for flag, path in (("--pretrained-checkpoint", args.pretrained_checkpoint), ("--load", args.load)):
+    for flag, path in (("--pretrained-checkpoint", config.checkpoint.pretrained_checkpoint), ("--load", load)):
         if path:  # both already checked to be checkpoints; the resumed one's files win
             kept = override_assets(kept, checkpoint_assets(resolve_checkpoint_dir(path, flag=flag)))
-    tokenizer = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
+    data = config.data
+    tokenizer = data.tokenizer_model if data.tokenizer_type == "HuggingFaceTokenizer" else None
     return read_assets(override_assets(kept, tokenizer_assets(tokenizer)))
 
 

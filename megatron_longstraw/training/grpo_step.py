@@ -14,7 +14,10 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
+from megatron_longstraw.config.longstraw import LongStrawConfig
+from megatron_longstraw.config.trainer import TrainerConfig
 from megatron_longstraw.grpo.advantages import advantage_stats, group_advantages
+from megatron_longstraw.grpo.loss_base import StepShape
 from megatron_longstraw.grpo.registry import get_policy_loss
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_hidden, full_graph_responses
@@ -74,53 +77,59 @@ def _same_on_tp_ranks(rewards_G: torch.Tensor) -> torch.Tensor:
     return rewards_G
 
 
-def score_logprobs(model, state, prompt_ids_1S, responses, args) -> list[torch.Tensor]:
+def score_logprobs(model, state, prompt_ids_1S, responses, longstraw: LongStrawConfig) -> list[torch.Tensor]:
     """Per-response log-probs under ``model`` without a graph, computed exactly as the training
     forward computes them (replay against ``state``, or the full graph in ``--replay-mode full``);
     under pipeline parallelism on the last stage (``score_logprobs_pp``)."""
     if pipeline_parallel():
-        return score_logprobs_pp(model, state, responses, args.replay_micro_batch_size)
+        return score_logprobs_pp(model, state, responses, longstraw.replay_micro_batch_size)
     out = []
     with torch.no_grad():
-        for ids_BR, _, indices in micro_batches(responses, args.replay_micro_batch_size):
+        for ids_BR, _, indices in micro_batches(responses, longstraw.replay_micro_batch_size):
             chunk = [responses[i] for i in indices]
-            hidden_RBH = (replay_hidden(model, state, ids_BR) if args.replay_mode == "longstraw"
+            hidden_RBH = (replay_hidden(model, state, ids_BR) if longstraw.replay_mode == "longstraw"
                           else full_graph_hidden(model, prompt_ids_1S, ids_BR))
             logprobs_RB = response_logprobs(model, hidden_RBH, ids_BR.t())
             out.extend(logprobs_RB[: r.numel(), i].float() for i, r in enumerate(chunk))
     return out
 
 
-def _answer_ids(group: PromptGroup, args) -> torch.Tensor:
+def _answer_ids(group: PromptGroup, loss_type: str, max_length: int) -> torch.Tensor:
     """The record's answer as token ids (what ``--loss-type sft`` trains on as its response), cut
-    to ``--max-response-length``; ``ValueError`` naming the loss and the record otherwise."""
+    to ``max_length`` (``--max-response-length``); ``ValueError`` naming the loss and the record
+    otherwise."""
     answer = group.answer
     if not (isinstance(answer, (list, tuple)) and answer and all(isinstance(i, int) for i in answer)):
-        raise ValueError(f"--loss-type {args.loss_type}: record {group.source} has no token-id answer to train on "
+        raise ValueError(f"--loss-type {loss_type}: record {group.source} has no token-id answer to train on "
                          f"(got {type(answer).__name__}); give \"answer\" as a list of ids, or responses")
-    return torch.tensor(list(answer)[: args.max_response_length], dtype=torch.long)
+    return torch.tensor(list(answer)[:max_length], dtype=torch.long)
 
 
-def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, generator: torch.Generator,
-                groups_per_rank: int, reference=None, clock: PhaseClock, drop_uniform: bool = False) -> Optional[dict]:
-    """Process one prompt group, accumulating gradients in ``model``; returns its metrics.
-    ``drop_uniform`` (dynamic sampling): a group whose rewards are all equal is left untrained
-    once they are known (before its capture when they come with it), and ``None`` is returned."""
+def train_group(model, group: PromptGroup, config: TrainerConfig, step: StepShape, *, reward_fn, eos_id: int,
+                generator: torch.Generator, reference=None, clock: PhaseClock,
+                drop_uniform: bool = False) -> Optional[dict]:
+    """Process one prompt group of the ``step``, accumulating gradients in ``model``; returns its
+    metrics. ``drop_uniform`` (dynamic sampling): a group whose rewards are all equal is left
+    untrained once they are known (before its capture when they come with it), and ``None`` is
+    returned."""
     prompt_ids_1S = group.prompt_ids_S[None]
-    exact = args.prompt_gradient == "exact"
+    longstraw, rollout, loss_config = config.longstraw, config.rollout, config.loss
+    exact, show = longstraw.exact, config.logging.progress
+    policy_loss = get_policy_loss(loss_config.loss_type)
     if drop_uniform and group.rewards_G is not None and agree_uniform(group.rewards_G):
         return None  # rewards from the rollout file: nothing to capture
-    with clock("capture"), progress_bar(prompt_ids_1S.shape[1], "capture", args) as bar:
-        state = capture_prompt(model, prompt_ids_1S, args.prompt_chunk_size, progress=bar.update, exact=exact)
+    with clock("capture"), progress_bar(prompt_ids_1S.shape[1], "capture", show) as bar:
+        state = capture_prompt(model, prompt_ids_1S, longstraw.prompt_chunk_size, progress=bar.update, exact=exact)
     try:
-        if not group.responses and get_policy_loss(args.loss_type).trains_on_given_responses:
-            group.responses = [_answer_ids(group, args).to(prompt_ids_1S.device)]  # the one given response
+        if not group.responses and policy_loss.trains_on_given_responses:
+            answer = _answer_ids(group, loss_config.loss_type, rollout.max_response_length)
+            group.responses = [answer.to(prompt_ids_1S.device)]  # the one given response
         if not group.responses:
-            with clock("rollout"), progress_bar(args.max_response_length, "decode", args) as bar:
+            with clock("rollout"), progress_bar(rollout.max_response_length, "decode", show) as bar:
                 rollouts = generate_from_state(
-                    model, state, args.num_generations, args.max_response_length, temperature=args.temperature,
-                    top_p=args.top_p, eos_id=eos_id, generator=generator,
-                    progress=lambda p: bar.update(p.step - bar.n), cuda_graphs=args.decode_cuda_graphs)
+                    model, state, config.grpo.num_generations, rollout.max_response_length,
+                    temperature=rollout.temperature, top_p=rollout.top_p, eos_id=eos_id, generator=generator,
+                    progress=lambda p: bar.update(p.step - bar.n), cuda_graphs=rollout.decode_cuda_graphs)
                 group.responses = [r.to(prompt_ids_1S.device) for r in rollouts.responses]
                 # the decoder's own log-probs (temperature 1: what replay scores): the gap is a health signal
                 group.sampler_logprobs = [lp.to(prompt_ids_1S.device) for lp in rollouts.logprobs]
@@ -131,54 +140,54 @@ def train_group(model, group: PromptGroup, args, *, reward_fn, eos_id: int, gene
                     source=group.source).to(prompt_ids_1S.device))
         if drop_uniform and agree_uniform(group.rewards_G):
             return None  # the finally below frees the state
-        advantages_G = group_advantages(group.rewards_G.float(), args.advantage_normalization)
+        advantages_G = group_advantages(group.rewards_G.float(), policy_loss.advantage_normalization(loss_config))
         with clock("scoring"):
-            old_logprobs = score_logprobs(model, state, prompt_ids_1S, group.responses, args)
+            old_logprobs = score_logprobs(model, state, prompt_ids_1S, group.responses, longstraw)
             ref_logprobs = None
             if reference is not None:
-                ref_state = capture_prompt(reference, prompt_ids_1S, args.prompt_chunk_size)
+                ref_state = capture_prompt(reference, prompt_ids_1S, longstraw.prompt_chunk_size)
                 try:
-                    ref_logprobs = score_logprobs(reference, ref_state, prompt_ids_1S, group.responses, args)
+                    ref_logprobs = score_logprobs(reference, ref_state, prompt_ids_1S, group.responses, longstraw)
                 finally:
                     ref_state.free()
-        loss_fn = get_policy_loss(args.loss_type).for_group(
-            args, old_logprobs, advantages_G.to(old_logprobs[0].device), ref_logprobs=ref_logprobs,
-            groups_per_rank=groups_per_rank, sampler_logprobs=group.sampler_logprobs)
+        loss_fn = policy_loss.for_group(loss_config, step, old_logprobs, advantages_G.to(old_logprobs[0].device),
+                                        ref_logprobs=ref_logprobs, sampler_logprobs=group.sampler_logprobs)
+        micro_batch = longstraw.replay_micro_batch_size
         with clock("replay"):
-            if args.replay_mode == "longstraw":
-                losses = replay_responses(model, state, group.responses, loss_fn, args.replay_micro_batch_size,
-                                          exact=exact)
+            if longstraw.replay_mode == "longstraw":
+                losses = replay_responses(model, state, group.responses, loss_fn, micro_batch, exact=exact)
             else:
-                losses = full_graph_responses(model, prompt_ids_1S, group.responses, loss_fn,
-                                              args.replay_micro_batch_size, exact=exact)
+                losses = full_graph_responses(model, prompt_ids_1S, group.responses, loss_fn, micro_batch,
+                                              exact=exact)
         state_bytes, state_grad_bytes = state.nbytes(), state.state_grad_nbytes()
-        if exact and args.replay_mode == "longstraw":  # one chunked backward through the prompt
+        if longstraw.exact_sweep:  # one chunked backward through the prompt
             with clock("prompt_backward"):
                 prompt_backward(model, state, prompt_ids_1S)
     finally:
         state.free()
+    max_length = rollout.max_response_length
     if not pipeline_parallel():
-        metrics = _group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, args)
-        if exact and args.replay_mode == "longstraw":
+        metrics = _group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, max_length)
+        if longstraw.exact_sweep:
             metrics["prompt/state_grad_bytes"] = float(state_grad_bytes)
         return metrics
     # the loss and its metrics exist on the last stage; the prompt state is spread over the stages
-    metrics = from_last_stage(_group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id, args)
-                              if parallel_state.is_pipeline_last_stage() else None)
+    metrics = from_last_stage(_group_metrics(group, advantages_G, loss_fn, sum(losses), state_bytes, eos_id,
+                                             max_length) if parallel_state.is_pipeline_last_stage() else None)
     total_bytes = torch.tensor([float(state_bytes), float(state_grad_bytes)], dtype=torch.float64,
                                device=prompt_ids_1S.device)
     torch.distributed.all_reduce(total_bytes, group=parallel_state.get_pipeline_model_parallel_group())
     metrics["prompt/state_bytes"] = total_bytes[0].item()
-    if exact and args.replay_mode == "longstraw":
+    if longstraw.exact_sweep:
         metrics["prompt/state_grad_bytes"] = total_bytes[1].item()
     return metrics
 
 
-def _group_metrics(group, advantages_G, loss_fn, loss, state_bytes, eos_id, args) -> dict:
+def _group_metrics(group, advantages_G, loss_fn, loss, state_bytes, eos_id, max_response_length: int) -> dict:
     rewards_G = group.rewards_G.float()
     lengths = torch.tensor([r.numel() for r in group.responses], dtype=torch.float32)
     ended = [r.numel() > 0 and int(r[-1]) == eos_id for r in group.responses]
-    truncated = [not e and r.numel() >= args.max_response_length for e, r in zip(ended, group.responses)]
+    truncated = [not e and r.numel() >= max_response_length for e, r in zip(ended, group.responses)]
     metrics = {
         "reward/mean": rewards_G.mean().item(), "reward/std": rewards_G.std(unbiased=False).item(),
         "reward/min": rewards_G.min().item(), "reward/max": rewards_G.max().item(),

@@ -55,9 +55,9 @@ def reduce_step_metrics(groups: list[dict], summed: Sequence[str] = ()) -> dict:
     return out
 
 
-def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, args,
+def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, peak_tflops: float,
                        dropped: Sequence[dict] = ()) -> dict:
-    """Tokens/s per phase (this rank) and, on a GPU, MFU against ``--peak-tflops`` of capture and
+    """Tokens/s per phase (this rank) and, on a GPU, MFU against ``peak_tflops`` (``--peak-tflops``) of capture and
     replay (forward + backward: 3x the forward), each where the model's family has that FLOPs
     formula. Under context parallelism a rank's capture MFU counts its share (1/CP) of the
     prompt's FLOPs. ``dropped``: the capture and rollout work of groups dynamic sampling dropped
@@ -85,5 +85,5 @@ def throughput_metrics(hf: dict, model, groups: list[dict], phase_times: dict, a
     for phase, total in flops.items():
         seconds = phase_times.get(f"time/{phase}_s")
         if seconds:
-            out[f"mfu/{phase}"] = total / seconds / (args.peak_tflops * 1e12)
+            out[f"mfu/{phase}"] = total / seconds / (peak_tflops * 1e12)
     return out

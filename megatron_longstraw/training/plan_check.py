@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from megatron_longstraw.config.trainer import TrainerConfig
 from megatron_longstraw.data.prompts import resolve_max_prompt_length
 from megatron_longstraw.planning.hardware import GPUS, GpuSpec
 from megatron_longstraw.planning.layouts import Layout
@@ -16,29 +17,26 @@ from megatron_longstraw.planning.run import RunShape
 GiB = 2 ** 30
 
 
-def trainer_prompt_length(args, hf: dict) -> tuple[int, str]:
+def trainer_prompt_length(config: TrainerConfig, hf: dict) -> tuple[int, str]:
     """The longest prompt the run will see and the flag that sets it: the synthetic task's length,
     else the prompt budget (``--max-prompt-length``, or the positions left by the responses)."""
-    if args.rollout_source != "jsonl" and args.data_path == "synthetic":
-        lengths = [(args.synthetic_prompt_length, "--prompt-length-schedule" if args.curriculum
-                    else "--synthetic-prompt-length")]
-        if args.eval_interval or args.skip_train:  # the held-out prompts are captured by the same GPUs
-            lengths.append((max(args.eval_lengths), "--eval-prompt-lengths"))
+    data = config.data
+    if config.synthetic_task:
+        lengths = [(data.longest_synthetic_prompt, data.synthetic_length_flag)]
+        if config.evaluation.enabled:  # the held-out prompts are captured by the same GPUs
+            lengths.append((max(config.eval_lengths), "--eval-prompt-lengths"))
         return max(lengths, key=lambda pair: pair[0])
-    budget = resolve_max_prompt_length(args.max_prompt_length, hf["max_position_embeddings"], args.max_response_length)
+    budget = resolve_max_prompt_length(data.max_prompt_length, hf["max_position_embeddings"],
+                                       config.rollout.max_response_length)
     return max(budget or 1, 1), "--max-prompt-length"
 
 
-def trainer_run(args, hf: dict) -> tuple[Layout, RunShape]:
+def trainer_run(config: TrainerConfig, hf: dict) -> tuple[Layout, RunShape]:
     """This run's layout and step shape, as the planner sees them."""
-    layout = Layout.of(args.parallel, args.data_parallel_size)
-    run = RunShape(prompt_length=trainer_prompt_length(args, hf)[0], response_length=args.max_response_length,
-                   num_generations=args.num_generations, prompt_gradient=args.prompt_gradient,
-                   chunk_size=args.prompt_chunk_size, micro_batch_size=args.replay_micro_batch_size,
-                   precision="bf16" if args.bf16 else "fp32", distributed_optimizer=args.use_distributed_optimizer,
-                   rollout="internal" if args.rollout_source == "internal" else "file",
-                   global_batch_size=args.global_batch_size, recompute=args.recompute_granularity == "full",
-                   sequence_parallel=args.sequence_parallel, reference_model=args.kl_coef > 0)
+    layout = Layout.of(config.parallel.sizes, config.data_parallel_size)
+    run = RunShape.of(config, prompt_length=trainer_prompt_length(config, hf)[0],
+                      response_length=config.rollout.max_response_length,
+                      precision="bf16" if config.precision.bf16 else "fp32")
     return layout, run
 
 
@@ -65,24 +63,24 @@ def _what_fits(profile, hf: dict, layout: Layout, run: RunShape, gpu: GpuSpec, p
     return "no layout of these GPUs fits it"
 
 
-def check_plan(args, hf: dict, rank0: bool) -> LayoutPlan | None:
+def check_plan(config: TrainerConfig, hf: dict, rank0: bool) -> LayoutPlan | None:
     """Print the plan's line for this run (rank 0) and refuse a run predicted to exceed the GPU's
     memory by more than the planner's error (``ValueError``); ``None`` when the model's family has
     no ``plan_profile`` or the run is the full-graph baseline. Under Transformer Engine (whose
     fused layers keep less than the local spec the planner models) the line is printed only."""
-    if args.replay_mode != "longstraw":
+    if config.longstraw.replay_mode != "longstraw":
         return None
     profile = model_profile(hf)
     if profile is None:
         return None
-    layout, run = trainer_run(args, hf)
-    prompt_flag = trainer_prompt_length(args, hf)[1]
+    layout, run = trainer_run(config, hf)
+    prompt_flag = trainer_prompt_length(config, hf)[1]
     gpu = this_gpu()
     plan = plan_layout(profile, layout, run, gpu or GPUS["h200"])
     if rank0:
         where = "" if gpu else ", planned for an H200: no GPU here"
         print(f"plan (prompt {run.prompt_length:,} tokens{where}): {plan.line()}", flush=True)
-    refuse = gpu is not None and not args.no_plan_check and args.transformer_impl == "local"
+    refuse = gpu is not None and not config.longstraw.no_plan_check and config.model.transformer_impl == "local"
     if refuse and plan.memory.peak > gpu.memory_gib * (1 + PEAK_ERROR):
         raise ValueError(
             f"this run is predicted to need {plan.memory.peak:.1f} GiB per GPU, over the {gpu.memory_gib:.1f} GiB "

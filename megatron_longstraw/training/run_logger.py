@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_longstraw.config.training import LoggingConfig
+
 METRICS_NAME = "metrics.jsonl"
 
 # metrics printed on the console line (every metric goes to wandb and metrics.jsonl)
@@ -69,23 +71,24 @@ def has_rows(path: Path) -> bool:
 class RunLogger:
     """Logs one dict of floats per step; only rank 0 writes anything."""
 
-    def __init__(self, args, config: dict, run_id: str | None = None, resume_step: int = 0):
-        self.interval = args.log_interval
+    def __init__(self, logging: LoggingConfig, train_iters: int, config: dict, run_id: str | None = None,
+                 resume_step: int = 0):
+        self.interval = logging.log_interval
         # the ETA: this run's mean pace from its first step on (the model built, a checkpoint loaded), saves included
-        self.train_iters, self.start_step, self.start_time = args.train_iters, resume_step, time.perf_counter()
+        self.train_iters, self.start_step, self.start_time = train_iters, resume_step, time.perf_counter()
         self.rank0 = torch.distributed.get_rank() == 0
         self.wandb_run = None
         self.run_id = run_id
         if not self.rank0:
             return
-        self.dir = Path(args.wandb_save_dir)
+        self.dir = Path(logging.wandb_save_dir)
         self.path = self.dir / METRICS_NAME
         self.resume_step = resume_step
         self.jsonl = None
         # a resumed run's rows are checked up front; a fresh run only sets the earlier file aside
         self.earlier_rows = read_metrics_rows(self.path) if resume_step > 0 and self.path.is_file() else None
         self.dir.mkdir(parents=True, exist_ok=True)
-        mode = args.wandb_mode or ("online" if args.wandb_project and _has_credentials() else "offline")
+        mode = logging.wandb_mode or ("online" if logging.wandb_project and _has_credentials() else "offline")
         if mode == "disabled":
             return
         try:
@@ -95,7 +98,7 @@ class RunLogger:
                   file=sys.stderr)
             return
         self.wandb_run = wandb.init(
-            project=args.wandb_project or "megatron-longstraw", name=args.wandb_exp_name, dir=str(self.dir),
+            project=logging.wandb_project or "megatron-longstraw", name=logging.wandb_exp_name, dir=str(self.dir),
             mode=mode, config=config, id=run_id, resume="allow" if run_id else None,
             settings=wandb.Settings(quiet=True))  # where the run is and how to sync it; no end-of-run tables
         self.run_id = self.wandb_run.id

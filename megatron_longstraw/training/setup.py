@@ -1,16 +1,18 @@
-"""What ``train_grpo.py`` builds from its arguments: the policy (and frozen reference), the
+"""What ``train_grpo.py`` builds from its configuration: the policy (and frozen reference), the
 tokenizer, the prompt source and the reward function."""
 
 import itertools
 
 import torch
 
-from megatron_longstraw.checkpointing.model_checkpoint import load_model_checkpoint, resolve_model_config
-from megatron_longstraw.distributed import device
+from megatron_longstraw.checkpointing.model_checkpoint import load_model_checkpoint, model_hf_config
+from megatron_longstraw.config.grpo import RewardConfig
+from megatron_longstraw.config.trainer import TrainerConfig
 from megatron_longstraw.data.external_rollouts import ExternalRolloutDataset
 from megatron_longstraw.data.prompts import PromptDataset, resolve_max_prompt_length
 from megatron_longstraw.data.synthetic import KeyValueRetrievalTask, SyntheticRetrievalDataset
 from megatron_longstraw.data.tokenizer import build_tokenizer
+from megatron_longstraw.distributed import device
 from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
@@ -18,46 +20,41 @@ from megatron_longstraw.models.registry import family_for, register_family
 from megatron_longstraw.rewards.registry import build_reward
 from megatron_longstraw.rewards.scoring import score_group
 from megatron_longstraw.training.grpo_step import PromptGroup
+from megatron_longstraw.training.startup import model_source, model_source_flag
 
 
-def policy_hf_config(args) -> dict:
-    """The policy's HF config (``args.model_source``'s, ``validate_args``), with
-    ``--max-position-embeddings`` applied; ``--model-family`` registers an out-of-tree family first."""
-    if args.model_family:
-        register_family(args.model_family)
-    from_checkpoint = args.model_source == args.pretrained_checkpoint
-    hf = resolve_model_config(args.model_source, flag="--pretrained-checkpoint" if from_checkpoint else
-                              "--hf-config" if args.hf_config else "--model")
-    if args.max_position_embeddings:
-        hf["max_position_embeddings"] = args.max_position_embeddings
-    return hf
+def policy_hf_config(config: TrainerConfig) -> dict:
+    """The policy's HF config (``training/startup.py``'s ``model_source``), with ``--num-layers``
+    and ``--max-position-embeddings`` applied; ``--model-family`` registers an out-of-tree family
+    first."""
+    if config.model.model_family:
+        register_family(config.model.model_family)
+    source = model_source(config)
+    return model_hf_config(config.model, source, flag=model_source_flag(config, source))
 
 
-def build_policy(args):
+def build_policy(config: TrainerConfig):
     """``(hf_config, model, reference or None, tokenizer)``. ``--model-family`` registers an
     out-of-tree family first; the family refuses layouts it lacks. The model config is
-    ``args.model_source``'s (``validate_args``): ``--pretrained-checkpoint`` (a converted Megatron
-    checkpoint) gives the model and the initial weights; the reference is a frozen copy of them,
-    kept only when ``--kl-coef`` > 0."""
-    hf = policy_hf_config(args)
+    ``model_source``'s: ``--pretrained-checkpoint`` (a converted Megatron checkpoint) gives the
+    model and the initial weights; the reference is a frozen copy of them, kept only when
+    ``--kl-coef`` > 0."""
+    hf = policy_hf_config(config)
     family = family_for(hf["model_type"])
-    family.check_layout(family.normalize_hf_config(hf), args.parallel, args.rollout_source)
-    options = ModelOptions(
-        transformer_impl=args.transformer_impl, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe, sequence_parallel=args.sequence_parallel,
-        recompute_granularity=args.recompute_granularity, kernel_options=args.kernels)
+    family.check_layout(family.normalize_hf_config(hf), config.parallel.sizes, config.rollout.rollout_source)
+    options = ModelOptions.of(config.model, config.precision, config.parallel, config.kernels)
     model = build_stage_model(hf, options)  # under virtual pipeline stages: a StageChunks
-    if args.prompt_gradient == "exact" and args.replay_mode == "longstraw":
+    if config.longstraw.exact_sweep:
         check_prompt_gradient_support(model)
-    if args.pretrained_checkpoint:
-        load_model_checkpoint(model, args.pretrained_checkpoint, flag="--pretrained-checkpoint")
+    pretrained = config.checkpoint.pretrained_checkpoint
+    if pretrained:
+        load_model_checkpoint(model, pretrained, flag="--pretrained-checkpoint")
     reference = None
-    if args.kl_coef > 0:
+    if config.loss.kl_coef > 0:
         reference = build_stage_model(hf, options)
         reference.load_state_dict(model.state_dict())
         reference.requires_grad_(False)
-    tokenizer = build_tokenizer(dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                     vocab_size=hf["vocab_size"]))
+    tokenizer = build_tokenizer(config.data.tokenizer_type, config.data.tokenizer_model, vocab_size=hf["vocab_size"])
     if tokenizer.vocab_size > hf["vocab_size"]:
         raise ValueError(f"--tokenizer-model: the tokenizer's {tokenizer.vocab_size} ids exceed the model's "
                          f"vocabulary of {hf['vocab_size']}")
@@ -100,49 +97,48 @@ class PromptSource:
         self.dataset.load_state_dict(state)
 
 
-def build_prompt_source(args, hf: dict, tokenizer) -> PromptSource:
+def build_prompt_source(config: TrainerConfig, hf: dict, tokenizer) -> PromptSource:
     """Synthetic retrieval task, JSONL prompts, or external rollouts (``--rollout-source jsonl``)."""
-    max_prompt = resolve_max_prompt_length(args.max_prompt_length, hf["max_position_embeddings"],
-                                           args.max_response_length)
-    if args.rollout_source == "jsonl":
+    data, rollout, seed = config.data, config.rollout, config.training.seed
+    max_prompt = resolve_max_prompt_length(data.max_prompt_length, hf["max_position_embeddings"],
+                                           rollout.max_response_length)
+    if rollout.rollout_source == "jsonl":
+        correction = config.loss.rollout_correction
         return PromptSource(ExternalRolloutDataset(
-            args.rollout_path, tokenizer, num_generations=args.num_generations, vocab_size=hf["vocab_size"],
-            max_prompt_length=max_prompt, max_response_length=args.max_response_length, seed=args.seed,
-            flag="--rollout-path", logprobs_for=None if args.rollout_correction == "none" else args.rollout_correction))
-    if args.data_path == "synthetic":
-        if args.synthetic_prompt_length > max_prompt:
-            flag = "--prompt-length-schedule" if args.curriculum else "--synthetic-prompt-length"
-            raise ValueError(f"{flag} {args.prompt_length_schedule or args.synthetic_prompt_length}: "
-                             f"{args.synthetic_prompt_length} tokens exceed the longest prompt the model takes "
-                             f"({max_prompt})")
-        if (args.eval_interval or args.skip_train) and max(args.eval_lengths) > max_prompt:
-            raise ValueError(f"--eval-prompt-lengths: {max(args.eval_lengths)} tokens exceed the longest prompt "
+            rollout.rollout_path, tokenizer, num_generations=config.grpo.num_generations, vocab_size=hf["vocab_size"],
+            max_prompt_length=max_prompt, max_response_length=rollout.max_response_length, seed=seed,
+            flag="--rollout-path", logprobs_for=None if correction == "none" else correction))
+    if data.synthetic:
+        longest = data.longest_synthetic_prompt
+        if longest > max_prompt:
+            given = data.prompt_length_schedule or data.synthetic_prompt_length
+            raise ValueError(f"{data.synthetic_length_flag} {given}: {longest} tokens exceed the longest prompt the "
+                             f"model takes ({max_prompt})")
+        evaluated = config.eval_lengths if config.evaluation.enabled else []
+        if evaluated and max(evaluated) > max_prompt:
+            raise ValueError(f"--eval-prompt-lengths: {max(evaluated)} tokens exceed the longest prompt "
                              f"the model takes ({max_prompt})")
-        task = KeyValueRetrievalTask(hf["vocab_size"], args.synthetic_prompt_length,
-                                     num_records=args.synthetic_num_records,
-                                     value_length=args.synthetic_value_length, key_length=1,
-                                     vocab_hi=args.synthetic_vocab_size,
-                                     eos_id=tokenizer.eos_id, seed=args.seed)
-        stages = [n for n, _ in args.curriculum.stages] if args.curriculum else []
-        for flag, lengths in (("--prompt-length-schedule", stages),
-                              ("--eval-prompt-lengths", args.eval_lengths if args.eval_interval or args.skip_train
-                               else [])):
+        task = KeyValueRetrievalTask(hf["vocab_size"], longest, num_records=data.synthetic_num_records,
+                                     value_length=data.synthetic_value_length, key_length=1,
+                                     vocab_hi=data.synthetic_vocab_size, eos_id=tokenizer.eos_id, seed=seed)
+        stages = [n for n, _ in config.curriculum.stages] if config.curriculum else []
+        for flag, lengths in (("--prompt-length-schedule", stages), ("--eval-prompt-lengths", evaluated)):
             for length in lengths:  # every stage and eval length makes prompts, checked now
                 try:
                     task.variant(prompt_length=length)
                 except ValueError as err:
                     raise ValueError(f"{flag}: {err}") from None
-        return PromptSource(SyntheticRetrievalDataset(task, seed=args.seed))
-    return PromptSource(PromptDataset(args.data_path, tokenizer, vocab_size=hf["vocab_size"],
-                                      max_prompt_length=max_prompt, seed=args.seed, flag="--data-path"))
+        return PromptSource(SyntheticRetrievalDataset(task, seed=seed))
+    return PromptSource(PromptDataset(data.data_path, tokenizer, vocab_size=hf["vocab_size"],
+                                      max_prompt_length=max_prompt, seed=seed, flag="--data-path"))
 
 
-def build_reward_fn(args, tokenizer, source: PromptSource | None = None):
+def build_reward_fn(config: RewardConfig, tokenizer, source: PromptSource | None = None):
     """The ``--reward-fn`` reward. Given the prompt ``source``, it is called once right away
     (``check_reward_fn``), so a reward that fails does so at start-up, not after the first
     group's capture and rollout."""
-    reward = build_reward(args.reward_fn, eos_id=tokenizer.eos_id, tokenizer=tokenizer,
-                          partial_credit=args.reward_partial_credit)
+    reward = build_reward(config.reward_fn, eos_id=tokenizer.eos_id, tokenizer=tokenizer,
+                          partial_credit=config.reward_partial_credit)
     if source is not None:
         check_reward_fn(reward, source.dataset, tokenizer.eos_id)
     return reward

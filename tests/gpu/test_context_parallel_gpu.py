@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from megatron_longstraw.distributed import ParallelSizes
+from megatron_longstraw.config.parallel import ParallelSizes
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess, with_sizes
 from megatron_longstraw.testing.parity import grad_projections
 

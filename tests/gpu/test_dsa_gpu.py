@@ -8,7 +8,8 @@ from megatron_longstraw import patches
 from megatron_longstraw.attention import dsa_blockwise
 from megatron_longstraw.attention.dsa_blockwise import index_topk_blockwise
 from megatron_longstraw.attention.index_scores_triton import index_scores, supported
-from megatron_longstraw.attention.kernel_options import KernelOptions, set_kernel_options
+from megatron_longstraw.attention.kernel_options import set_kernel_options
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.replay import replay_logits
 from megatron_longstraw.patches.dsa_causal_topk import dsa

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_longstraw.attention import fp8_capture_attention as fp8
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.testing.exact_attention import exact_chunk_attention
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_sdpa_fp8
 
@@ -112,8 +112,7 @@ def test_capture_in_fp8_against_bf16(single_process, record_property):
 
     hf = resolve_hf_config("qwen3.5-0.8b")
     plain = build_model(hf, ModelOptions(params_dtype=torch.bfloat16)).eval()
-    fp8_model = build_model(hf, ModelOptions(params_dtype=torch.bfloat16,
-                                             kernel_options=KernelOptions(fp8_attention="capture"))).eval()
+    fp8_model = build_model(hf, ModelOptions(params_dtype=torch.bfloat16, fp8_attention="capture")).eval()
     fp8_model.load_state_dict(plain.state_dict())
     tokens = torch.randint(0, hf["vocab_size"], (1, 4500), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(1))

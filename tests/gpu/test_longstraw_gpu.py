@@ -6,9 +6,9 @@ import functools
 import pytest
 import torch
 
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
 from megatron_longstraw.attention.prefix_attention_cuda import prefix_causal_attention_cuda
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.full_graph import full_graph_responses
 from megatron_longstraw.longstraw.prompt_backward import prompt_backward

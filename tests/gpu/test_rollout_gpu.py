@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_longstraw.attention.decode_attention import decode_attention
-from megatron_longstraw.attention.kernel_options import KernelOptions
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention_math
+from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.core.decode_state import new_decode_state
 from megatron_longstraw.longstraw import decode_graph
 from megatron_longstraw.longstraw.capture import capture_prompt

@@ -18,7 +18,7 @@ def test_trainer_bf16_steps_on_gpu(tmp_path):
             "--save", str(tmp_path / "ckpt"), "--wandb-save-dir", str(tmp_path / "w"), "--wandb-mode", "disabled",
             "--kl-coef", "0.01"]
     args = parse_args(argv)
-    init_distributed(args.parallel, seed=args.seed)
+    init_distributed(args.parallel.sizes, seed=args.training.seed)
     try:
         metrics, model = train(args)
     finally:

@@ -9,32 +9,33 @@ one response of its prompt, or a rollout file's responses as they are
 (``PolicyLoss.trains_on_given_responses``). Rewards are still computed and logged (a given
 answer scores what the reward says of it), advantages play no part. The KL and entropy terms
 are GRPO's; the clip range has nothing to act on (no ratio enters the loss), and the rollout
-correction and dynamic sampling, which have nothing to act on either, are refused when set.
+correction, which has nothing to act on either, is refused when set (so is dynamic sampling, by
+the trainer, for every loss that trains on given responses).
 """
 
 import torch
 
+from megatron_longstraw.config.grpo import LossConfig
 from megatron_longstraw.grpo.loss_base import ReplayBatch
-from megatron_longstraw.grpo.policy_loss import GRPOLoss
+from megatron_longstraw.grpo.losses.grpo import GRPOLoss
+from megatron_longstraw.grpo.registry import register_policy_loss
 
 
+@register_policy_loss("sft")
 class SFTLoss(GRPOLoss):
     """``--loss-type sft``: ``GRPOLoss`` whose policy term is the negative log-likelihood of each
     token (module doc); the clip fractions it logs are 0."""
 
-    name = "sft"
+    summary = "negative log-likelihood of the records' given answers or responses: a warm start"
     advantage_normalizations = ("none",)
     trains_on_given_responses = True
 
     @classmethod
-    def validate_args(cls, args) -> None:
-        super().validate_args(args)
-        if args.rollout_correction != "none":
+    def check_config(cls, config: LossConfig) -> None:
+        super().check_config(config)
+        if config.rollout_correction != "none":
             raise ValueError(f"--loss-type sft trains on given responses: --rollout-correction "
-                             f"{args.rollout_correction} has no sampler to correct for")
-        if getattr(args, "dynamic_sampling", False):
-            raise ValueError("--loss-type sft trains on given responses: --dynamic-sampling has no group "
-                             "rewards to act on")
+                             f"{config.rollout_correction} has no sampler to correct for")
 
     def policy_terms(self, batch: ReplayBatch):
         """``(-logp, no clip, no clip)`` per token."""

@@ -18,32 +18,35 @@ is ``sequence`` (the only one it takes).
 
 import torch
 
-from megatron_longstraw.grpo.loss_base import PolicyLoss, ReplayBatch
+from megatron_longstraw.config.grpo import LossConfig
+from megatron_longstraw.grpo.loss_base import PolicyLoss, ReplayBatch, StepShape
 from megatron_longstraw.grpo.loss_terms import clip_objective, sequence_means
+from megatron_longstraw.grpo.registry import register_policy_loss
 
 
+@register_policy_loss("gspo")
 class GSPOLoss(PolicyLoss):
     """``--loss-type gspo``: the sequence-level clipped surrogate (module doc). Its
     ``policy_loss`` and clip fractions are per-sequence means; ``sequence_ratio_mean`` /
     ``_max`` log ``s_i``, the token-level ``ratio_*`` and ``approx_kl`` stay per token."""
 
-    name = "gspo"
+    summary = "sequence-level ratio and clip"
     aggregations = ("sequence",)
     per_sequence_metrics = ("policy_loss", "clip_frac_low", "clip_frac_high", "sequence_ratio_mean",
                             "correction_weight", "corrected")
-    metric_names = {**PolicyLoss.metric_names, "sequence_ratio_mean": "ratio/sequence_mean",
+    metric_names = {**PolicyLoss.metric_names, "policy_loss": "loss/policy", "clip_frac_low": "clip/frac_low",
+                    "clip_frac_high": "clip/frac_high", "sequence_ratio_mean": "ratio/sequence_mean",
                     "sequence_ratio_max": "ratio/sequence_max"}
 
     @classmethod
-    def for_group(cls, args, old_logprobs, advantages_G, *, ref_logprobs, groups_per_rank, sampler_logprobs=None):
-        normalizer = float(len(old_logprobs)) * groups_per_rank  # this rank's responses of the step
-        return cls(old_logprobs, advantages_G, normalizer=normalizer, ref_logprobs=ref_logprobs,
-                   sampler_logprobs=sampler_logprobs, **cls.shared_options(args))
+    def group_normalizer(cls, config: LossConfig, step: StepShape, num_responses: int) -> float:
+        """This rank's responses of the step."""
+        return float(num_responses) * step.groups_per_rank
 
     @classmethod
-    def finish_step(cls, metrics: dict, args) -> float:
+    def finish_step(cls, metrics: dict, config: LossConfig, step: StepShape) -> float:
         """``loss/total`` = ``loss/sum / dp_size`` (DDP's average); the gradients stay as they are."""
-        metrics["loss/total"] = metrics.pop("loss/sum") / args.data_parallel_size
+        metrics["loss/total"] = metrics.pop("loss/sum") / step.data_parallel_size
         return 1.0
 
     def loss(self, batch: ReplayBatch) -> torch.Tensor:

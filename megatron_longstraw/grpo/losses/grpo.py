@@ -13,25 +13,18 @@ DDP averages them over data-parallel ranks (exact token mean over the global bat
 clipping). ``sequence`` averages each response over its tokens and divides by this rank's
 responses of the step; DDP's average makes it the mean over all responses.
 
-The terms shared with the other losses live in ``grpo/loss_terms.py``; ``kl_k3`` and
-``entropy_from_logits`` are importable from here as well.
+The terms shared with the other losses live in ``grpo/loss_terms.py``. The checked functions
+below validate their hyper-parameters as the flags are (``LossConfig``).
 """
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from megatron_longstraw.grpo.loss_base import PolicyLoss, ReplayBatch, check_shared_flags
-from megatron_longstraw.grpo.loss_terms import (  # noqa: F401  (kl_k3, entropy_from_logits: this module's API)
-    AGGREGATIONS, aggregated_sum, clip_objective, entropy_from_logits, kl_k3)
-
-
-def validate_loss_args(clip_eps_low: float, clip_eps_high: float, kl_coef: float = 0.0,
-                       entropy_coef: float = 0.0, aggregation: str = "token") -> None:
-    """Raise ``ValueError`` naming the flag for an invalid loss hyper-parameter."""
-    check_shared_flags(clip_eps_low, clip_eps_high, kl_coef, entropy_coef)
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"--loss-aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+from megatron_longstraw.config.grpo import LossConfig
+from megatron_longstraw.grpo.loss_base import PolicyLoss, ReplayBatch, StepShape
+from megatron_longstraw.grpo.loss_terms import AGGREGATIONS, aggregated_sum, clip_objective
+from megatron_longstraw.grpo.registry import register_policy_loss
 
 
 def clipped_surrogate(logprobs_RB: torch.Tensor, old_logprobs_RB: torch.Tensor, advantages_B: torch.Tensor,
@@ -44,7 +37,7 @@ def clipped_surrogate(logprobs_RB: torch.Tensor, old_logprobs_RB: torch.Tensor, 
     where ``A > 0`` and ``r > 1 + high``. Checks the clip range (``ValueError``); the losses call
     the unchecked ``loss_terms.clip_objective``, their flags validated at start-up.
     """
-    validate_loss_args(clip_eps_low, clip_eps_high)
+    LossConfig(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
     ratio_RB = torch.exp(logprobs_RB - old_logprobs_RB)
     return clip_objective(ratio_RB, advantages_B.to(ratio_RB.dtype).unsqueeze(0), clip_eps_low, clip_eps_high)
 
@@ -53,7 +46,7 @@ def loss_normalizer(response_lengths: Sequence[int], aggregation: str) -> float:
     """Normalizer of a global batch: its real response tokens (``"token"``) or sequences
     (``"sequence"``). If the data-parallel gradient reduction averages over ranks, the caller
     divides the all-rank count by the data-parallel size."""
-    validate_loss_args(0.0, 0.0, aggregation=aggregation)
+    LossConfig(loss_aggregation=aggregation)
     if not response_lengths or any(n <= 0 for n in response_lengths):
         raise ValueError(f"response lengths must be positive, got {list(response_lengths)}")
     return float(sum(response_lengths) if aggregation == "token" else len(response_lengths))
@@ -68,7 +61,7 @@ def aggregate(per_token_RB: torch.Tensor, mask_RB: torch.Tensor, indices: Sequen
     (= sequences in the global batch). Padding is excluded even if it holds inf or NaN. Checks
     its arguments (``ValueError``); the losses call the unchecked ``loss_terms.aggregated_sum``.
     """
-    validate_loss_args(0.0, 0.0, aggregation=aggregation)
+    LossConfig(loss_aggregation=aggregation)
     if not normalizer > 0:
         raise ValueError(f"loss normalizer must be > 0, got {normalizer}")
     assert per_token_RB.shape == mask_RB.shape and mask_RB.shape[1] == len(indices), \
@@ -76,53 +69,35 @@ def aggregate(per_token_RB: torch.Tensor, mask_RB: torch.Tensor, indices: Sequen
     return aggregated_sum(per_token_RB, mask_RB > 0, aggregation) / normalizer
 
 
+@register_policy_loss("grpo")
 class GRPOLoss(PolicyLoss):
     """``--loss-type grpo``: per token, clipped surrogate + ``kl_coef`` * k3(pi, ref) -
-    ``entropy_coef`` * entropy, aggregated per ``aggregation`` (``token`` / ``sequence``) over the
-    ``normalizer`` (module doc). See ``PolicyLoss`` for the inputs and metrics.
+    ``entropy_coef`` * entropy, aggregated per ``--loss-aggregation`` (``token`` / ``sequence``)
+    over the ``normalizer`` (module doc). See ``PolicyLoss`` for the inputs and metrics.
     """
 
-    name = "grpo"
+    summary = "clipped surrogate"
     aggregations = AGGREGATIONS
-
-    def __init__(self, old_logprobs: Sequence[torch.Tensor], advantages_G: torch.Tensor, *,
-                 normalizer: float, ref_logprobs: Optional[Sequence[torch.Tensor]] = None,
-                 clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, kl_coef: float = 0.0,
-                 entropy_coef: float = 0.0, aggregation: str = "token",
-                 sampler_logprobs: Optional[Sequence[torch.Tensor]] = None, rollout_correction: str = "none",
-                 rollout_correction_cap: float = 2.0):
-        if aggregation not in self.aggregations:
-            raise ValueError(f"--loss-aggregation must be one of {', '.join(self.aggregations)}, "
-                             f"got {aggregation!r}")
-        super().__init__(old_logprobs, advantages_G, normalizer=normalizer, ref_logprobs=ref_logprobs,
-                         clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
-                         entropy_coef=entropy_coef, sampler_logprobs=sampler_logprobs,
-                         rollout_correction=rollout_correction, rollout_correction_cap=rollout_correction_cap)
-        self.aggregation = aggregation
+    metric_names = {**PolicyLoss.metric_names, "policy_loss": "loss/policy", "clip_frac_low": "clip/frac_low",
+                    "clip_frac_high": "clip/frac_high"}
 
     @classmethod
-    def group_normalizer(cls, args, num_responses: int, groups_per_rank: int) -> float:
+    def group_normalizer(cls, config: LossConfig, step: StepShape, num_responses: int) -> float:
         """``token``: 1 (``finish_step`` rescales by the global token count); ``sequence``: this
         rank's responses of the step."""
-        if args.loss_aggregation == "token":
+        if cls.aggregation_of(config) == "token":
             return 1.0
-        return float(num_responses) * groups_per_rank
+        return float(num_responses) * step.groups_per_rank
 
     @classmethod
-    def for_group(cls, args, old_logprobs, advantages_G, *, ref_logprobs, groups_per_rank, sampler_logprobs=None):
-        normalizer = cls.group_normalizer(args, len(old_logprobs), groups_per_rank)
-        return cls(old_logprobs, advantages_G, normalizer=normalizer, ref_logprobs=ref_logprobs,
-                   aggregation=args.loss_aggregation, sampler_logprobs=sampler_logprobs, **cls.shared_options(args))
-
-    @classmethod
-    def finish_step(cls, metrics: dict, args) -> float:
+    def finish_step(cls, metrics: dict, config: LossConfig, step: StepShape) -> float:
         """``token``: ``loss/total`` = ``loss/sum`` over the global batch's ``tokens/response``, and
         the gradients are scaled by ``dp_size / tokens``; ``sequence``: ``loss/sum / dp_size``, no scale."""
         loss_sum = metrics.pop("loss/sum")
-        if args.loss_aggregation == "token":  # exact token mean over the global batch
+        if cls.aggregation_of(config) == "token":  # exact token mean over the global batch
             metrics["loss/total"] = loss_sum / metrics["tokens/response"]
-            return args.data_parallel_size / metrics["tokens/response"]
-        metrics["loss/total"] = loss_sum / args.data_parallel_size
+            return step.data_parallel_size / metrics["tokens/response"]
+        metrics["loss/total"] = loss_sum / step.data_parallel_size
         return 1.0
 
     def policy_terms(self, batch: ReplayBatch):

@@ -13,14 +13,16 @@ gradients by ``dp_size / global_tokens``. The clip range comes from the shared
 import torch
 
 from megatron_longstraw.grpo.loss_base import ReplayBatch
-from megatron_longstraw.grpo.policy_loss import GRPOLoss
+from megatron_longstraw.grpo.losses.grpo import GRPOLoss
+from megatron_longstraw.grpo.registry import register_policy_loss
 
 
+@register_policy_loss("cispo")
 class CISPOLoss(GRPOLoss):
     """``--loss-type cispo``: ``GRPOLoss`` with the clipped-IS-weight REINFORCE term per token
     (module doc). ``clip_frac_low``/``_high`` count the tokens whose weight was clipped."""
 
-    name = "cispo"
+    summary = "REINFORCE with a clipped stop-gradient IS weight"
     aggregations = ("token",)
 
     def policy_terms(self, batch: ReplayBatch):
