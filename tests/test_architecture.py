@@ -91,6 +91,8 @@ def test_cycle_check_finds_a_cycle():
 
 
 @pytest.mark.parametrize("package, forbidden", [
+    ("config", ("core", "attention", "ops", "models", "longstraw", "rollout", "grpo", "training", "data", "rewards",
+                "checkpointing", "testing", "planning", "distributed", "patches", "console")),
     ("core", ("attention", "models", "longstraw", "rollout", "grpo", "training", "data", "rewards",
               "checkpointing", "testing", "planning")),
     ("attention", ("models", "longstraw", "rollout", "training", "testing", "planning")),

@@ -10,7 +10,8 @@ import pytest
 from megatron_longstraw.config.parallel import ParallelSizes
 from megatron_longstraw.distributed import init_distributed
 from megatron_longstraw.models.builder import build_model
-from megatron_longstraw.models.presets import PRESETS, resolve_hf_config
+from megatron_longstraw.models.presets import resolve_hf_config
+from megatron_longstraw.models.qwen3_5.presets import PRESETS
 from megatron_longstraw.models.registry import family_for
 from megatron_longstraw.testing.multiprocess import run_multiprocess
 

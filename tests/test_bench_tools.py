@@ -11,7 +11,7 @@ import torch
 from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter
 from megatron_longstraw.longstraw.cost_model import memory_floor_bytes
 from megatron_longstraw.models.presets import resolve_hf_config
-from megatron_longstraw.models.qwen3_5 import capture_flops as qwen_prompt_flops
+from megatron_longstraw.models.qwen3_5.profile import capture_flops as qwen_prompt_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_glm_prompt_flops_terms():
     from megatron_longstraw.config.parallel import ParallelSizes
     from megatron_longstraw.distributed import destroy_distributed, init_distributed
     from megatron_longstraw.models.flops import active_linear_weight_elements
-    from megatron_longstraw.models.glm5 import capture_flops as glm_prompt_flops
+    from megatron_longstraw.models.glm5.profile import capture_flops as glm_prompt_flops
     from megatron_longstraw.testing.parity import seeded_model
 
     hf = resolve_hf_config("glm-5-debug")
@@ -279,7 +279,8 @@ def test_fp8_attention_bench_end_to_end(tmp_path):
     emulation runs beside it the orchestration lands where the ideal FP8 kernel does."""
     cmd = [sys.executable, str(ROOT / "tools/bench_fp8_attention.py"), "--model", "qwen3.5-debug",
            "--prompt-lengths", "96", "--emulation-prompt-lengths", "160", "--prompt-chunk-size", "64",
-           "--emulation-chunk-size", "48", "--response-length", "8", "--warmup-prompt-length", "0",
+           "--emulation-chunk-size", "48", "--response-length", "8", "--num-generations", "2",
+           "--warmup-prompt-length", "0",
            "--fp8-kernel", "emulated", "--output-dir", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=300)
     data = json.loads((tmp_path / "fp8_attention_qwen3.5-debug.json").read_text())

@@ -131,7 +131,7 @@ def test_glm_replay_top_k_ranks_prompt_and_response_keys(single_process):
 def test_glm_prompt_state_holds_latents_and_indexer_keys_only(single_process):
     """Bytes = P x e x (layers x (kv_lora_rank + qk_rope_head_dim) + indexer layers x
     index_head_dim) + the last hidden state; shared-indexer layers keep no indexer keys."""
-    from megatron_longstraw.models.glm5_state import IndexerKeyState, MLALatentState
+    from megatron_longstraw.models.glm5.state import IndexerKeyState, MLALatentState
 
     hf, model = _model("glm-5-debug")
     prompt_length, element = PROMPT, 4  # fp32

@@ -32,7 +32,7 @@ class _RecordTopk:
     chunks, then replay; or decode steps)."""
 
     def __init__(self, method: str = "topk"):
-        from megatron_longstraw.models.glm5_layers import LongStrawDSAIndexer
+        from megatron_longstraw.models.glm5.layers import LongStrawDSAIndexer
 
         self.cls, self.method, self.calls = LongStrawDSAIndexer, method, []
         self.original = getattr(LongStrawDSAIndexer, method)

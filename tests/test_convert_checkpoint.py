@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from megatron_longstraw.checkpointing.model_checkpoint import load_model_checkpoint
 from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import PRESETS
+from megatron_longstraw.models.registry import all_presets
 from megatron_longstraw.testing.hf_reference import build_hf_model, hf_model_class
 from megatron_longstraw.testing.multiprocess import run_multiprocess
 from megatron_longstraw.testing.parity import forward_logits
@@ -49,7 +49,7 @@ def _assert_bit_identical(original: Path, converted: Path) -> None:
 def converted(request, tmp_path_factory):
     """(hf config, HF model, HF folder, Megatron folder) for each family."""
     preset, overrides = CASES[request.param]
-    hf = dict(copy.deepcopy(PRESETS[preset]), **overrides)
+    hf = dict(copy.deepcopy(all_presets()[preset]), **overrides)
     hf_model = build_hf_model(hf, seed=3)
     root = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(root / "hf", max_shard_size="200KB")
@@ -234,7 +234,7 @@ def _load_under_layout(hf, load_dir, hf_state, sizes):
     options = ModelOptions(sequence_parallel=sizes.tensor > 1)
     from_checkpoint, from_hf = build_model(hf, options), build_model(hf, options)
     load_model_checkpoint(from_checkpoint, load_dir)
-    load_full_state_dict(from_hf, family_for(hf["model_type"]).hf_to_mcore(hf_state, hf))
+    load_full_state_dict(from_hf, family_for(hf["model_type"]).weights.hf_to_mcore(hf_state, hf))
     expected = {k: v for k, v in from_hf.state_dict().items() if not k.endswith("_extra_state")}
     actual = {k: v for k, v in from_checkpoint.state_dict().items() if not k.endswith("_extra_state")}
     assert sorted(actual) == sorted(expected)
@@ -265,7 +265,7 @@ def _load_under_pipeline(hf, load_dir, hf_state):
     init_distributed(ParallelSizes(pipeline=2))
     model = build_model(hf, ModelOptions())
     load_model_checkpoint(model, load_dir)
-    full = family_for(hf["model_type"]).hf_to_mcore(hf_state, hf)
+    full = family_for(hf["model_type"]).weights.hf_to_mcore(hf_state, hf)
     layer_ids = local_layer_ids(model.config)
     mismatched = []
     for name, param in model.named_parameters():

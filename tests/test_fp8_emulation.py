@@ -125,7 +125,8 @@ def test_sensitivity_tool_end_to_end(tmp_path):
 
     tool = Path(__file__).resolve().parents[1] / "tools/fp8_sensitivity.py"
     run = subprocess.run([sys.executable, str(tool), "--model", "qwen3.5-debug", "--prompt-length", "96",
-                          "--response-length", "24", "--prompt-chunk-size", "32", "--output-dir", str(tmp_path)],
+                          "--response-length", "24", "--num-generations", "2", "--prompt-chunk-size", "32",
+                          "--output-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "fp8_sensitivity_qwen3.5-debug.json").read_text())

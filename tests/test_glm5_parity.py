@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
-from megatron_longstraw.models import glm5
+from megatron_longstraw.models.glm5 import FAMILY as GLM5
 from megatron_longstraw.models.builder import build_model, expert_global_name, load_full_state_dict
 from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import PRESETS
+from megatron_longstraw.models.glm5.presets import PRESETS
 from megatron_longstraw.testing.hf_reference import build_hf_model, hf_model_class
 from megatron_longstraw.testing.multiprocess import run_multiprocess
 from megatron_longstraw.testing.parity import max_rel_error
@@ -28,7 +28,7 @@ def _tokens(batch=2, seq=SEQ, seed=0):
 
 def _megatron_from_hf(hf, hf_model, options=ModelOptions()):
     model = build_model(hf, options, parallel_output=False)
-    load_full_state_dict(model, glm5.hf_to_mcore(hf_model.state_dict(), hf))
+    load_full_state_dict(model, GLM5.weights.hf_to_mcore(hf_model.state_dict(), hf))
     return model.eval()
 
 
@@ -101,7 +101,7 @@ def test_routing_uses_several_experts_and_groups(single_process):
 def test_weight_mapping_round_trip_is_bit_identical():
     hf = _debug_config()
     hf_state = build_hf_model(hf, seed=2).state_dict()
-    back = glm5.mcore_to_hf(glm5.hf_to_mcore(hf_state, hf), hf)
+    back = GLM5.weights.mcore_to_hf(GLM5.weights.hf_to_mcore(hf_state, hf), hf)
     assert sorted(back) == sorted(hf_state)
     for name, tensor in hf_state.items():
         assert torch.equal(back[name], tensor), name
@@ -112,7 +112,7 @@ def test_mtp_weights_are_dropped_with_a_warning():
     hf_state = dict(build_hf_model(hf, seed=2).state_dict())
     hf_state["model.layers.4.eh_proj.weight"] = torch.zeros(4, 4)
     with pytest.warns(UserWarning, match="MTP"):
-        full = glm5.hf_to_mcore(hf_state, hf)
+        full = GLM5.weights.hf_to_mcore(hf_state, hf)
     assert not any(".layers.4." in name for name in full)
 
 
@@ -171,7 +171,7 @@ def _config_errors(cases):
     for hf, tp, ep, sequence_parallel in cases:
         init_distributed(ParallelSizes(tensor=tp, expert=ep))
         try:
-            glm5.transformer_config(hf, ModelOptions(sequence_parallel=sequence_parallel))
+            GLM5.transformer_config(hf, ModelOptions(sequence_parallel=sequence_parallel))
             errors.append(None)
         except ValueError as err:
             errors.append(str(err))
@@ -364,7 +364,7 @@ def test_cpu_moe_alltoall_patch_is_what_makes_the_dispatcher_run(single_process)
 
     from megatron_longstraw.patches import cpu_moe_alltoall
 
-    config = glm5.transformer_config(_debug_config(), ModelOptions())
+    config = GLM5.transformer_config(_debug_config(), ModelOptions())
     config.moe_token_dispatcher_type = "alltoall"
     experts = config.num_moe_experts
 

@@ -15,7 +15,7 @@ from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
 from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.replay import replay_logits
-from megatron_longstraw.models.glm5_layers import LongStrawDSAIndexer, LongStrawDSAttention
+from megatron_longstraw.models.glm5.layers import LongStrawDSAIndexer, LongStrawDSAttention
 from megatron_longstraw.patches.dsa_causal_topk import dsa
 from megatron_longstraw.testing.parity import random_tokens
 from megatron_longstraw.training.arguments import parse_args

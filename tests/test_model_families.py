@@ -1,5 +1,6 @@
-"""Family knowledge behind the family API, and families from outside the package
-(``register_family`` / ``--model-family``: a dotted module path or a ``.py`` file)."""
+"""Family knowledge behind the typed family contract (``models/family.py``'s ``ModelFamily``),
+and families from outside the package (``use_family`` / ``--model-family``: a dotted module path
+or a ``.py`` file naming a ``ModelFamily``)."""
 
 import json
 import sys
@@ -8,19 +9,27 @@ import pytest
 import torch
 
 from megatron_longstraw.longstraw.cost_model import prompt_flops, response_forward_flops
-from megatron_longstraw.models.presets import PRESETS, resolve_hf_config
-from megatron_longstraw.models.registry import (FAMILY_API, FAMILY_MODULES, family_for, register_family,
-                                                supported_model_types, unregister_family)
+from megatron_longstraw.models.family import ModelFamily
+from megatron_longstraw.models.presets import resolve_hf_config
+from megatron_longstraw.models.qwen3_5.presets import PRESETS
+from megatron_longstraw.models.registry import (builtin_model_types, family_for, load_family, register_family,
+                                                supported_model_types, unregister_family, use_family)
 
 TOY_TYPE = "toy_longstraw"
-_QWEN_API = [name for name in FAMILY_API if name != "MODEL_TYPES"]
+_FIELDS = [f for f in ModelFamily.__dataclass_fields__ if f not in ("name", "model_types")]
 
 
-def _family_source(names=_QWEN_API, model_types=(TOY_TYPE,)) -> str:
-    """A family module reusing the Qwen3.5 family's functions ``names`` under ``model_types``."""
-    return ('"""A toy family: the Qwen3.5 family under its own model_type."""\n\n'
-            f"from megatron_longstraw.models.qwen3_5 import {', '.join(names)}  # noqa: F401\n\n"
-            f"MODEL_TYPES = {tuple(model_types)!r}\n")
+def _family_source(fields=None, model_types=(TOY_TYPE,)) -> str:
+    """A family module: the Qwen3.5 family under its own model types, as README shows it (or a
+    ``ModelFamily`` of only the Qwen3.5 family's ``fields``)."""
+    head = ('"""A toy family: the Qwen3.5 family under its own model_type."""\n\n'
+            "from dataclasses import replace\n\n"
+            "from megatron_longstraw.models.family import ModelFamily\n"
+            "from megatron_longstraw.models.qwen3_5 import FAMILY as QWEN\n\n")
+    if fields is None:
+        return head + f"FAMILY = replace(QWEN, name='toy', model_types={tuple(model_types)!r}, presets={{}})\n"
+    given = ", ".join(f"{f}=QWEN.{f}" for f in fields)
+    return head + f"FAMILY = ModelFamily(name='toy', model_types={tuple(model_types)!r}, {given})\n"
 
 
 def _toy_config(folder) -> str:
@@ -34,9 +43,9 @@ def _toy_config(folder) -> str:
 def clean_registry():
     """Whatever a test registers is gone afterwards (no family leaks into other tests)."""
     yield
-    for model_type in sorted(set(supported_model_types()) - set(FAMILY_MODULES)):
+    for model_type in sorted(set(supported_model_types()) - set(builtin_model_types())):
         unregister_family(family_for(model_type))
-    assert supported_model_types() == sorted(FAMILY_MODULES)
+    assert supported_model_types() == builtin_model_types() == ["glm_moe_dsa", "qwen3_5", "qwen3_5_text"]
 
 
 def test_family_from_a_file_outside_the_package_builds_and_matches_hf(tmp_path, single_process, clean_registry):
@@ -49,9 +58,10 @@ def test_family_from_a_file_outside_the_package_builds_and_matches_hf(tmp_path, 
     path = tmp_path / "toy_family.py"
     path.write_text(_family_source())
     assert TOY_TYPE not in supported_model_types()
-    module = register_family(str(path))
-    assert family_for(TOY_TYPE) is module and module.__file__ == str(path.resolve())
-    assert register_family(str(path)) is module  # registering again changes nothing
+    family = use_family(str(path))
+    assert family_for(TOY_TYPE) is family and family.name == "toy"
+    assert use_family(str(path)) is family  # registering again changes nothing
+    assert use_family(f"{path}:FAMILY") is family  # the attribute named
     hf = resolve_hf_config(_toy_config(tmp_path / "toy"))
     assert hf["model_type"] == TOY_TYPE
     hf_model = build_hf_model(hf, seed=3)
@@ -81,54 +91,60 @@ def test_family_as_a_module_through_the_trainer_flag(tmp_path, monkeypatch, sing
     args = parse_args(["--model-family", "toy_family_module", "--model", _toy_config(tmp_path / "toy")])
     assert TOY_TYPE not in supported_model_types()  # validating the flag registers nothing
     hf, model, reference, _ = build_policy(args)
-    assert family_for(TOY_TYPE).__name__ == "toy_family_module"
+    assert family_for(TOY_TYPE).name == "toy"
     assert hf["model_type"] == TOY_TYPE and reference is None
     with torch.no_grad():
         logits_BSV = forward_logits(model, torch.arange(5).unsqueeze(0))
     assert logits_BSV.shape == (1, 5, hf["vocab_size"]) and torch.isfinite(logits_BSV).all()
 
 
-def test_family_missing_api_functions_is_refused(tmp_path, clean_registry):
-    """A family lacking FAMILY_API functions is refused with one line naming them, by the
-    library function and by the trainer flag; nothing is registered."""
+def test_family_missing_contract_fields_is_refused(tmp_path, clean_registry):
+    """A family lacking fields of the ``ModelFamily`` contract is refused with one line naming
+    them, by the library function and by the trainer flag; nothing is registered. So is a module
+    whose ``FAMILY`` is not a ``ModelFamily``."""
     from megatron_longstraw.training.arguments import parse_args
 
     path = tmp_path / "partial_family.py"
-    path.write_text(_family_source([n for n in _QWEN_API if n not in ("prompt_flops", "hf_reference")]))
+    path.write_text(_family_source([n for n in _FIELDS if n not in ("prompt_flops", "hf_reference")]))
     with pytest.raises(ValueError) as err:
-        register_family(str(path))
-    assert str(err.value) == (f"model family {path}: lacks prompt_flops, hf_reference (the functions of "
-                              "FAMILY_API in megatron_longstraw/models/registry.py)")
+        use_family(str(path))
+    assert str(err.value) == (f"model family file {path}: cannot be imported (ModelFamily.__init__() missing 2 "
+                              "required keyword-only arguments: 'hf_reference' and 'prompt_flops')")
     assert TOY_TYPE not in supported_model_types()
-    with pytest.raises(ValueError, match=r"^--model-family: model family .*partial_family.py: lacks prompt_flops, "
-                                         r"hf_reference \(") as err:
+    with pytest.raises(ValueError, match=r"^--model-family: model family file .*partial_family.py: cannot be "
+                                         r"imported \(ModelFamily.__init__\(\) missing 2") as err:
         parse_args(["--model-family", str(path)])
     assert "\n" not in str(err.value)
+    other = tmp_path / "not_a_family.py"
+    other.write_text("FAMILY = 'qwen3_5'\n")
+    with pytest.raises(ValueError, match=rf"^model family {other}: FAMILY must be a ModelFamily .*, got str$"):
+        load_family(str(other))
 
 
 def test_missing_file_unimportable_module_and_taken_model_type_are_refused(tmp_path, clean_registry):
     missing = tmp_path / "no_such_family.py"
     with pytest.raises(ValueError, match=rf"^model family file {missing}: no such file$"):
-        register_family(str(missing))
+        use_family(str(missing))
     with pytest.raises(ValueError, match=r"^model family module no_such_family_module_xyz: cannot be imported "
                                          r"\(No module named 'no_such_family_module_xyz'\)$"):
-        register_family("no_such_family_module_xyz")
+        use_family("no_such_family_module_xyz")
     path = tmp_path / "clashing_family.py"
     path.write_text(_family_source(model_types=("qwen3_5_text",)))
-    with pytest.raises(ValueError, match=r"model_type 'qwen3_5_text' already has the family "
-                                         r"megatron_longstraw.models.qwen3_5$"):
-        register_family(str(path))
-    assert family_for("qwen3_5_text").__name__ == "megatron_longstraw.models.qwen3_5"
-    assert register_family("megatron_longstraw.models.glm5") is family_for("glm_moe_dsa")  # built in: no-op
+    with pytest.raises(ValueError, match=r"model family toy: model_type 'qwen3_5_text' already has the family "
+                                         r"Qwen3.5$"):
+        use_family(str(path))
+    assert family_for("qwen3_5_text").name == "Qwen3.5"
+    glm = family_for("glm_moe_dsa")
+    assert use_family("megatron_longstraw.models.glm5") is glm and register_family(glm) is glm  # built in: no-op
     first = tmp_path / "first" / "family.py"
     first.parent.mkdir()
     first.write_text(_family_source())
-    register_family(str(first))
+    use_family(str(first))
     second = tmp_path / "second" / "family.py"
     second.parent.mkdir()
     second.write_text(_family_source())
-    with pytest.raises(ValueError, match=rf"model_type '{TOY_TYPE}' already has the family _longstraw_family_"):
-        register_family(str(second))
+    with pytest.raises(ValueError, match=rf"model family toy: model_type '{TOY_TYPE}' already has the family toy$"):
+        use_family(str(second))
 
 
 def test_family_knowledge_comes_from_the_family(single_process):
@@ -167,8 +183,7 @@ def test_family_knowledge_comes_from_the_family(single_process):
 
     assert hf_model_class("qwen3_5_text")[0].__name__ == "Qwen3_5ForCausalLM"
     assert hf_model_class("glm_moe_dsa")[1].__name__ == "GlmMoeDsaConfig"
-    with pytest.raises(ValueError, match="model_type 'qwen3_5': the family megatron_longstraw.models.qwen3_5 "
-                                         "has no HF reference model"):
+    with pytest.raises(ValueError, match="model_type 'qwen3_5': the family Qwen3.5 has no HF reference model"):
         hf_model_class("qwen3_5")
 
 

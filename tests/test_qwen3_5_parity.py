@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
-from megatron_longstraw.models import qwen3_5
+from megatron_longstraw.models.qwen3_5 import FAMILY as QWEN3_5
 from megatron_longstraw.models.builder import build_model, load_full_state_dict
 from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.presets import PRESETS
+from megatron_longstraw.models.qwen3_5.presets import PRESETS
 from megatron_longstraw.testing.hf_reference import build_hf_model
 
 
@@ -20,7 +20,7 @@ def _debug_config(**overrides) -> dict:
 
 def _megatron_from_hf(hf, hf_model):
     model = build_model(hf, ModelOptions(), parallel_output=False)
-    load_full_state_dict(model, qwen3_5.hf_to_mcore(hf_model.state_dict(), hf))
+    load_full_state_dict(model, QWEN3_5.weights.hf_to_mcore(hf_model.state_dict(), hf))
     return model.eval()
 
 
@@ -51,7 +51,7 @@ def test_logits_match_hf(single_process, tie):
 def test_weight_mapping_round_trip_is_bit_identical():
     hf = _debug_config()
     hf_state = build_hf_model(hf, seed=2).state_dict()
-    back = qwen3_5.mcore_to_hf(qwen3_5.hf_to_mcore(hf_state, hf), hf)
+    back = QWEN3_5.weights.mcore_to_hf(QWEN3_5.weights.hf_to_mcore(hf_state, hf), hf)
     assert sorted(back) == sorted(hf_state)
     for name, tensor in hf_state.items():
         assert torch.equal(back[name], tensor), name
@@ -76,7 +76,7 @@ def test_full_activation_recompute_gives_identical_gradients(single_process):
     grads = []
     for recompute in (None, "full"):
         model = build_model(hf, ModelOptions(recompute_granularity=recompute), parallel_output=False)
-        load_full_state_dict(model, qwen3_5.hf_to_mcore(hf_model.state_dict(), hf))
+        load_full_state_dict(model, QWEN3_5.weights.hf_to_mcore(hf_model.state_dict(), hf))
         model.train()
         logits = _logits(model, tokens)
         torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:]).backward()

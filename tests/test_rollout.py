@@ -12,7 +12,7 @@ from megatron_longstraw.longstraw.capture import capture_prompt
 from megatron_longstraw.longstraw.decode_step import decode_step
 from megatron_longstraw.longstraw.model_steps import token_logprobs
 from megatron_longstraw.longstraw.replay import replay_logits
-from megatron_longstraw.models import glm5_layers
+from megatron_longstraw.models.glm5 import layers as glm5_layers
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.rollout.generate import generate_from_state

@@ -37,7 +37,7 @@ def _model(hf, dtype, parallel_output=False):
     options = ModelOptions(params_dtype=dtype, sequence_parallel=tp > 1)
     model = build_model(hf, options, parallel_output=parallel_output)
     hf_model = build_hf_model(hf, seed=0).to(dtype)
-    load_full_state_dict(model, family_for(hf["model_type"]).hf_to_mcore(hf_model.state_dict(), hf))
+    load_full_state_dict(model, family_for(hf["model_type"]).weights.hf_to_mcore(hf_model.state_dict(), hf))
     return model.eval()
 
 

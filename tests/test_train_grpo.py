@@ -74,13 +74,13 @@ def test_internal_rollouts_train_log_to_wandb_and_stay_on_policy(tmp_path):
     sys.path.insert(0, str(ROOT / "tools"))
     import convert_checkpoint
     from megatron_longstraw.models.presets import resolve_hf_config
-    from megatron_longstraw.models.qwen3_5 import mcore_to_hf
+    from megatron_longstraw.models.qwen3_5.convert import WEIGHTS
     from safetensors.torch import load_file
 
     assert convert_checkpoint.main(["mcore-to-hf", "--load", str(tmp_path / "ckpt"), "--save",
                                     str(tmp_path / "hf"), "--no-progress"]) == 0
     exported = load_file(tmp_path / "hf" / "model.safetensors")
-    expected = mcore_to_hf(params, resolve_hf_config("qwen3.5-debug"), checkpoint_layout=True)
+    expected = WEIGHTS.mcore_to_hf(params, resolve_hf_config("qwen3.5-debug"), checkpoint_layout=True)
     assert set(exported) == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(exported[name], tensor), name

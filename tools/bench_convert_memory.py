@@ -16,7 +16,6 @@ Example:
 import argparse
 import copy
 import json
-import shlex
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,8 @@ import torch
 
 from megatron_longstraw.checkpointing.convert import MAX_CHUNK_BYTES
 from megatron_longstraw.checkpointing.safetensors_io import SafetensorsWriter
-from megatron_longstraw.models.presets import PRESETS
+from megatron_longstraw.models.qwen3_5.presets import PRESETS
+from bench_output import command_line  # tools/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -61,8 +61,8 @@ def hf_tensor_specs(hf: dict) -> list[tuple[str, torch.dtype, tuple]]:
         layout = model_layout(hf)
     specs = []
     for weight, shape in layout.params.items():
-        out = family.mcore_to_hf({weight: torch.empty(shape, device="meta")}, hf,
-                                 checkpoint_layout=True)
+        out = family.weights.mcore_to_hf({weight: torch.empty(shape, device="meta")}, hf,
+                                         checkpoint_layout=True)
         specs += [(name, torch.float32, tuple(t.shape)) for name, t in out.items()]
     return specs
 
@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
     p.add_argument("--workdir", default=None, help="temporary folder (default: system temp)")
     p.add_argument("--output", default=None, help="write the markdown report here")
     args = p.parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    command = command_line(argv)
     work = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench_convert_"))
     try:
         tiny = copy.deepcopy(PRESETS["qwen3.5-debug"])

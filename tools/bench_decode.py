@@ -19,7 +19,6 @@ Example (one H200):
 """
 
 import argparse
-import shlex
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ from megatron_longstraw.models.builder import build_model  # noqa: E402
 from megatron_longstraw.models.options import ModelOptions  # noqa: E402
 from megatron_longstraw.models.registry import family_for  # noqa: E402
 from megatron_longstraw.rollout.generate import generate_from_state  # noqa: E402
-from bench_output import bench_stem, write_bench_files  # noqa: E402  (tools/, beside this script)
+from bench_output import bench_stem, command_line, write_bench_files  # noqa: E402  (tools/, beside this script)
 
 GiB = 2 ** 30
 
@@ -160,7 +159,7 @@ def hf_model_like(hf: dict, model, folder: str):
 
     family = family_for(hf["model_type"])
     weights = {n: t.detach() for n, t in model.state_dict().items() if not n.endswith("_extra_state")}
-    tensors = family.mcore_to_hf(weights, hf, checkpoint_layout=True)
+    tensors = family.weights.mcore_to_hf(weights, hf, checkpoint_layout=True)
     config = family.hf_output_config(hf)
     Path(folder).mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(Path(folder) / "model.safetensors"))
@@ -330,7 +329,7 @@ def write(results, args, command) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    command = command_line(argv)
     init_distributed(ParallelSizes(), seed=1234)
     try:
         results = run(args)

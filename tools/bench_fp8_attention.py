@@ -22,7 +22,6 @@ emulation's.
 
 import argparse
 import functools
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.rollout.generate import full_vocab_logits
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capture_attention, emulated_sdpa_fp8
-from bench_output import bench_stem, write_bench_files  # tools/, beside this script
+from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
 from fp8_sensitivity import compare
 
 PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (../shared/offline-gpu/README.md)
@@ -134,7 +133,7 @@ def against(reference: dict, measured: dict) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    command = command_line(argv)
     init_distributed(ParallelSizes(), seed=1234)
     try:
         hf = model_hf_config(cli.group_from(args, ModelConfig))

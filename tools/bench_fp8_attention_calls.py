@@ -21,7 +21,6 @@ same bf16 inputs on the sampled rows, with its time; the bf16 capture attention 
 """
 
 import argparse
-import shlex
 import sys
 import time
 
@@ -34,7 +33,7 @@ from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.testing.exact_attention import exact_chunk_attention
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_sdpa_fp8
 from bench_fp8_attention import comma_lengths  # tools/, beside this script
-from bench_output import write_bench_files
+from bench_output import command_line, write_bench_files
 
 LAYOUTS = ("bhsd", "bshd")
 VALUES = ("zero-mean", "common")
@@ -194,7 +193,7 @@ def capture_row(args, queries: int, pages: int) -> list[dict]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    command = command_line(argv)
     fp8.check_supported([args.head_dim], torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     gpu = torch.cuda.get_device_name()
     calls, captures = [], []

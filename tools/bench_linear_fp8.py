@@ -10,7 +10,6 @@ linear time in both precisions (the FP8 target's ratio, "on the linear layers al
 """
 
 import argparse
-import shlex
 import sys
 from collections import Counter
 
@@ -24,7 +23,7 @@ from megatron_longstraw.config.parallel import ParallelSizes
 from megatron_longstraw.distributed import destroy_distributed, init_distributed
 from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions, have_transformer_engine
-from bench_output import bench_stem, write_bench_files  # tools/, beside this script
+from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +88,7 @@ def main(argv=None) -> None:
     from megatron.core.fp8_utils import get_fp8_context
 
     args = parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    command = command_line(argv)
     init_distributed(ParallelSizes(), seed=1234)
     try:
         model_config = cli.group_from(args, ModelConfig)

@@ -14,7 +14,6 @@ Example (GPU host):
 import contextlib
 import gc
 import json
-import shlex
 import sys
 import time
 
@@ -35,7 +34,7 @@ from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.planning.hardware import gib_of_gb
 from megatron_longstraw.planning.measured import bench_plan
 from megatron_longstraw.planning.planner import model_profile
-from bench_output import bench_stem, write_bench_files  # tools/, beside this script
+from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
 
 PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (../shared/offline-gpu/README.md)
 GiB = 2 ** 30
@@ -111,7 +110,7 @@ def capture_split(model, hf, times: dict):
         return
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_longstraw.models import glm5_layers
+    from megatron_longstraw.models.glm5 import layers as glm5_layers
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -448,7 +447,7 @@ def _plot(results, path, command):
 
 def main(argv=None):
     config = parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    command = command_line(argv)
     init_distributed(config.parallel.sizes, seed=1234)
     rank0 = torch.distributed.get_rank() == 0
     limit_memory(config)

@@ -1,9 +1,17 @@
-"""Where a benchmark tool's results land: ``{output_dir}/{stem}.json`` (the raw record, with the
+"""Where a benchmark tool's results land, and the command that made them: ``{output_dir}/{stem}.json`` (the raw record, with the
 command) and ``{stem}.md`` (the table, with the command), ``stem`` naming the tool, the model
 and the run's tag."""
 
 import json
+import shlex
+import sys
 from pathlib import Path
+
+
+def command_line(argv=None) -> str:
+    """The command that runs the tool with ``argv`` (``sys.argv[1:]`` when ``None``), as the
+    results record it: ``python tools/<tool>.py ...``."""
+    return "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
 
 
 def bench_stem(kind: str, model: str, tag: str = "") -> str:

@@ -29,6 +29,11 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_longstraw.config import cli  # noqa: E402
+from megatron_longstraw.config.model import ModelConfig  # noqa: E402
+
 DIRECTIONS = ("hf-to-mcore", "mcore-to-hf")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -52,9 +57,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                        help="input: HF folder (hf-to-mcore) or Megatron checkpoint (mcore-to-hf)")
     group.add_argument("--save", required=True, help="output folder (must not exist)")
     group.add_argument("--overwrite", action="store_true", help="replace an existing --save")
-    group.add_argument("--model-family", default=None, metavar="MODULE_OR_PATH",
-                       help="a model family defined outside the package (a module path or a .py "
-                            "file exposing the family API), registered before the config is read")
+    cli.add_flags(parser, ModelConfig, only=("model_family",))
     group = parser.add_argument_group("mcore-to-hf")
     group.add_argument("--model", default=None,
                        help="HF config (preset, folder or config.json) when the checkpoint has "
@@ -106,11 +109,11 @@ def main(argv=None) -> int:
             hf_to_mcore_checkpoint,
             mcore_to_hf_checkpoint,
         )
-        from megatron_longstraw.models.registry import register_family
+        from megatron_longstraw.models.registry import use_family
 
         if args.model_family:
             try:
-                register_family(args.model_family)
+                use_family(args.model_family)
             except ValueError as err:
                 raise ValueError(f"--model-family: {err}") from None
 

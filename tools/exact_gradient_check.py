@@ -16,7 +16,6 @@ Example (GPU host):
 """
 
 import argparse
-import shlex
 import sys
 import time
 
@@ -38,7 +37,7 @@ from megatron_longstraw.longstraw.replay import replay_responses
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.testing.parity import exact_gradients
-from bench_output import bench_stem, write_bench_files  # tools/, beside this script
+from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +96,7 @@ def compare(got: dict, want: dict, norm_floor: float) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    command = command_line(argv)
     init_distributed(ParallelSizes(), seed=1234 + args.seed)
     try:
         model_config = cli.group_from(args, ModelConfig)

@@ -18,7 +18,6 @@ model; if TE's is lower, TE adds an error of its own.
 """
 
 import argparse
-import shlex
 import sys
 import time
 
@@ -41,7 +40,7 @@ from megatron_longstraw.rollout.generate import full_vocab_logits
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capture_attention
 from megatron_longstraw.testing.fp8_emulation import emulated_fp8_linears, switched_linears
 from megatron_longstraw.testing.parity import replay_gradients
-from bench_output import bench_stem, write_bench_files  # tools/, beside this script
+from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
 
 VARIANTS = {  # name: (recipe, passes); "bf16" rounds the same GEMM operands to bf16 instead
     "fp8 tensorwise": ("tensorwise", "both"),
@@ -143,7 +142,7 @@ def layer_errors(model, tokens_1S):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    command = command_line(argv)
     init_distributed(ParallelSizes(), seed=1234)
     try:
         hf = model_hf_config(cli.group_from(args, ModelConfig))

@@ -53,11 +53,11 @@ def main(argv=None) -> int:
             print(comparison_table(query.against))
             return 0
         from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
-        from megatron_longstraw.models.registry import register_family
+        from megatron_longstraw.models.registry import use_family
         from megatron_longstraw.planning.report import plan_request, render_table
 
         if config.model.model_family:
-            register_family(config.model.model_family)
+            use_family(config.model.model_family)
         request = plan_request(config, given, model_hf_config(config.model))
         if query.max_prompt:
             from megatron_longstraw.planning.planner import max_prompt

@@ -97,7 +97,7 @@ def plan_hf_groups(source: HFFolder, hf: dict, layout, family) -> tuple[list, li
     groups: dict[str, list[str]] = {}
     dropped = []
     for name in source.names():
-        group = family.hf_group(name, hf)
+        group = family.weights.hf_group(name, hf)
         if group is None:
             dropped.append(name)
         else:
@@ -105,7 +105,7 @@ def plan_hf_groups(source: HFFolder, hf: dict, layout, family) -> tuple[list, li
     plan, produced = [], {}
     for names in groups.values():
         meta = {n: source.meta(n) for n in names}
-        out = _convert_meta(lambda t: family.hf_to_mcore(t, hf, partial=True), meta,
+        out = _convert_meta(lambda t: family.weights.hf_to_mcore(t, hf, partial=True), meta,
                             "HF tensors")
         for weight, tensor in out.items():
             if weight not in layout.params:
@@ -119,7 +119,7 @@ def plan_hf_groups(source: HFFolder, hf: dict, layout, family) -> tuple[list, li
         plan.append((names, {w: t.dtype for w, t in out.items()}))
     for weight, shape in layout.params.items():
         if weight not in produced:
-            wanted = family.mcore_to_hf({weight: torch.empty(shape, device="meta")}, hf,
+            wanted = family.weights.mcore_to_hf({weight: torch.empty(shape, device="meta")}, hf,
                                         checkpoint_layout=True)
             raise ValueError(f"missing HF tensor {sorted(wanted)[0]!r} (for Megatron {weight!r})")
     return plan, dropped
@@ -171,7 +171,7 @@ def hf_to_mcore_checkpoint(load: str | Path, save: str | Path, *, overwrite: boo
             if cache["group"] != group:
                 cache["tensors"] = {}  # free the previous group before reading the next
                 names = plan[group][0]
-                cache["tensors"] = family.hf_to_mcore({n: source.read(n) for n in names}, hf,
+                cache["tensors"] = family.weights.hf_to_mcore({n: source.read(n) for n in names}, hf,
                                                       partial=True)
                 cache["group"] = group
             data = chunk.of(cache["tensors"][chunk.param])
@@ -242,7 +242,7 @@ def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | N
         dtypes = {w: dist_io.stored_dtype(metadata, chunks[0].key) for w, chunks in by_param.items()}
         outputs = {}  # weight -> [(hf name, dtype, shape)]
         for weight, shape in layout.params.items():
-            meta = family.mcore_to_hf({weight: torch.empty(shape, dtype=dtypes[weight], device="meta")},
+            meta = family.weights.mcore_to_hf({weight: torch.empty(shape, dtype=dtypes[weight], device="meta")},
                                       hf, checkpoint_layout=True)
             outputs[weight] = [(n, t.dtype, tuple(t.shape)) for n, t in meta.items()]
         sizes = {w: _nbytes(torch.empty(s, dtype=dtypes[w], device="meta"))
@@ -280,7 +280,7 @@ def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | N
                             raise ValueError(f"--load {folder}: checkpoint is corrupt or incomplete (reading "
                                              f"{sorted(full)[0]!r}: {dist_io.one_line(err)})") from None
                         for w in list(full):
-                            tensors = family.mcore_to_hf({w: full.pop(w)}, hf, checkpoint_layout=True)
+                            tensors = family.weights.mcore_to_hf({w: full.pop(w)}, hf, checkpoint_layout=True)
                             for name, _, _ in outputs[w]:
                                 writer.add(name, tensors[name])
                                 weight_map[name] = file

@@ -237,11 +237,6 @@ def parse(root: type, argv=None, parser: argparse.ArgumentParser | None = None, 
     return config_from(root, values, **extra), frozenset(values)
 
 
-def flag_names(config) -> dict[str, str]:
-    """``{"group.field": "--flag"}`` of every group field of ``config``'s root class."""
-    return {f"{group.name}.{spec.name}": spec.flag for group, specs in flag_specs(type(config)) for spec in specs}
-
-
 def as_dict(config) -> dict[str, dict[str, Any]]:
     """``{group: {field: value}}`` of a root (for logging a run's configuration)."""
     return {group.name: dataclasses.asdict(getattr(config, group.name)) for group in group_fields(type(config))}

@@ -29,8 +29,9 @@ class ModelConfig(ConfigNode):
     """HF config.json or folder, overriding --model (default: unset)."""
 
     model_family: Optional[str] = field(default=None, metadata={"metavar": "MODULE_OR_PATH"})
-    """An out-of-tree model family (dotted module path or .py file) serving its MODEL_TYPES;
-    registered before --model / --hf-config is resolved (default: the built-in families)."""
+    """An out-of-tree model family: a dotted module path or .py file, optionally :ATTRIBUTE, naming
+    a ModelFamily (default attribute FAMILY) that serves its model types; registered before
+    --model / --hf-config is resolved (default: the built-in families)."""
 
     num_layers: Optional[int] = None
     """Keep the model's first N decoder layers: its widths at a reduced depth, e.g. a run scaled

@@ -62,7 +62,7 @@ the gradients over CP at its end, so every CP rank again holds the full gradient
   is selected globally (local candidates, all-gathered, ranked by score then position, so the
   selection is CP=1's), and the sparse attention over the selected latents merges the ranks'
   partials by log-sum-exp, queries travelling as for full attention. Decode
-  (``models/glm5_decode.py``) is full attention's: every CP rank decodes the same G samples, a new
+  (``models/glm5/decode.py``) is full attention's: every CP rank decodes the same G samples, a new
   token's indexer query is scored against this rank's prompt keys and the samples' own
   (replicated) keys, the top-k chosen globally the same way, and its attention over this rank's
   selected latents merges over the group before the own latents' part is merged in once.

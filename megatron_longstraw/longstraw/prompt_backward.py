@@ -43,7 +43,7 @@ Served so far: TP (with or without sequence parallelism), CP, EP (not with TP, C
 ``supports_prompt_gradient``: full attention and Gated DeltaNet (the Qwen3.5 family), absorbed
 MLA with DSA (GLM-5: the MLA latents carry gradient; the DSA indexer's keys do not, its top-k is
 recomputed without grad as in capture). A MoE layer is recomputed like
-any other; ``models/glm5.py`` says what the recompute adds to the router's expert-bias token
+any other; ``models/glm5/`` (its package doc) says what the recompute adds to the router's expert-bias token
 counts. ``check_prompt_gradient_support`` names, with the flag, what is not served.
 """
 

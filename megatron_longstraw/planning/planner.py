@@ -53,7 +53,7 @@ def _num(x: float) -> str:
 def model_profile(hf: dict) -> ModelProfile | None:
     """The planner's view of a config; ``None`` when its family has no ``plan_profile`` (an
     optional part of the family API); ``ValueError`` for a model type without a family."""
-    build = getattr(family_for(hf["model_type"]), "plan_profile", None)
+    build = family_for(hf["model_type"]).plan_profile
     return build(hf) if build is not None else None
 
 

@@ -35,7 +35,7 @@ def hf_model_class(model_type: str):
     family = family_for(model_type)
     classes = family.hf_reference(model_type)
     if classes is None:
-        raise ValueError(f"model_type {model_type!r}: the family {family.__name__} has no HF reference model")
+        raise ValueError(f"model_type {model_type!r}: the family {family.name} has no HF reference model")
     modeling, model_cls, configuration, config_cls = classes
     if torch.cuda.is_available():
         module = importlib.import_module(modeling)

@@ -19,7 +19,7 @@ def megatron_from_hf(hf: dict, hf_model, options: ModelOptions = ModelOptions(),
     """A Megatron model (eval mode) holding ``hf_model``'s weights; full logits, or with
     ``parallel_output`` this TP rank's vocabulary shard (what the vocab-parallel loss needs)."""
     model = build_stage_model(hf, options, parallel_output=parallel_output)
-    load_full_state_dict(model, family_for(hf["model_type"]).hf_to_mcore(hf_model.state_dict(), hf))
+    load_full_state_dict(model, family_for(hf["model_type"]).weights.hf_to_mcore(hf_model.state_dict(), hf))
     return model.eval()
 
 

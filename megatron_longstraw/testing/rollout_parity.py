@@ -20,7 +20,7 @@ def sharded_output_model(preset: str, dtype=torch.float32, seed: int = 0, sequen
     model = build_model(hf, ModelOptions(params_dtype=dtype, sequence_parallel=sequence_parallel),
                         parallel_output=True)
     hf_model = build_hf_model(hf, seed=seed).to(dtype)
-    load_full_state_dict(model, family_for(hf["model_type"]).hf_to_mcore(hf_model.state_dict(), hf))
+    load_full_state_dict(model, family_for(hf["model_type"]).weights.hf_to_mcore(hf_model.state_dict(), hf))
     return model.eval()
 
 

@@ -16,7 +16,7 @@ from megatron_longstraw.distributed import device
 from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support
 from megatron_longstraw.models.builder import build_stage_model
 from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.models.registry import family_for, register_family
+from megatron_longstraw.models.registry import family_for, use_family
 from megatron_longstraw.rewards.registry import build_reward
 from megatron_longstraw.rewards.scoring import score_group
 from megatron_longstraw.training.grpo_step import PromptGroup
@@ -28,7 +28,7 @@ def policy_hf_config(config: TrainerConfig) -> dict:
     and ``--max-position-embeddings`` applied; ``--model-family`` registers an out-of-tree family
     first."""
     if config.model.model_family:
-        register_family(config.model.model_family)
+        use_family(config.model.model_family)
     source = model_source(config)
     return model_hf_config(config.model, source, flag=model_source_flag(config, source))
 

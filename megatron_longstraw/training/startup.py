@@ -10,13 +10,13 @@ their values, which the files have not changed in between.
 
 import re
 from pathlib import Path
-from types import ModuleType
 from typing import Optional
 
 from megatron_longstraw.checkpointing.model_checkpoint import (TRACKER_NAME, has_hf_config, read_hf_config,
                                                                resolve_checkpoint_dir, resolve_model_config)
 from megatron_longstraw.config.model import DEFAULT_MODEL
 from megatron_longstraw.config.trainer import TrainerConfig
+from megatron_longstraw.models.family import ModelFamily
 from megatron_longstraw.models.hf_config import architecture_differences
 from megatron_longstraw.models.registry import family_for
 from megatron_longstraw.training.run_logger import METRICS_NAME, has_rows
@@ -58,7 +58,7 @@ def resume_path(config: TrainerConfig) -> Optional[str]:
     return None
 
 
-def model_source(config: TrainerConfig, extra_family: Optional[ModuleType] = None) -> str:
+def model_source(config: TrainerConfig, extra_family: Optional[ModelFamily] = None) -> str:
     """What the model config is read from: the ``--pretrained-checkpoint`` when it stores one
     (``--model`` / ``--hf-config``, when given, must describe the same architecture), else
     ``--hf-config``, ``--model`` or the default preset. ``extra_family``: an out-of-tree family
@@ -79,7 +79,7 @@ def model_source(config: TrainerConfig, extra_family: Optional[ModuleType] = Non
 
     def normalized(hf):
         model_type = hf.get("model_type")
-        family = extra_family if extra_family and model_type in extra_family.MODEL_TYPES else None
+        family = extra_family if extra_family and model_type in extra_family.model_types else None
         try:
             family = family or family_for(model_type)
         except ValueError as err:  # an unknown model_type: name the file

@@ -17,10 +17,10 @@ summed by the sequence-parallel gather, the RoPE part is not). Forward logits ar
 duplicated down projections; the subclass does the same with ``DuplicatedLinear``.
 
 LongStraw (capture/replay/decode/sweep, ``core/binding.py``): ``LongStrawAbsorbedMLASelfAttention``
-owns the MLA latent state, ``LongStrawDSAIndexer`` the indexer keys (``glm5_state``), and
+owns the MLA latent state, ``LongStrawDSAIndexer`` the indexer keys (``models/glm5/state.py``), and
 ``LongStrawDSAttention`` attends new tokens over ``[prompt state; new tokens]``
 (``prefix_sparse_attention``), or in decode over ``[shared prompt state; the sample's own
-tokens]`` (``glm5_decode``); each has one method per mode (the MLA layer's ``forward_<mode>``
+tokens]`` (``models/glm5/decode.py``); each has one method per mode (the MLA layer's ``forward_<mode>``
 calls the DSA core's ``attend_<mode>``, which asks the indexer's ``topk``, dispatched to its
 ``topk_<mode>``). Under context parallelism capture, replay, the prompt sweep and decoding
 select the top-k and attend over every CP rank's shard (``attention/cp_sparse_attention.py``),
@@ -55,8 +55,8 @@ from megatron_longstraw.core.binding import (
     CaptureBinding, DecodeBinding, ReferenceBinding, ReplayBinding, StatefulModule, SweepBinding, detach_prefix,
     pad_rows_to, read_state)
 from megatron_longstraw.core.collectives import all_gather_rows, context_parallel_group
-from megatron_longstraw.models.glm5_decode import decode_index_topk, decode_sparse_attention
-from megatron_longstraw.models.glm5_state import (
+from megatron_longstraw.models.glm5.decode import decode_index_topk, decode_sparse_attention
+from megatron_longstraw.models.glm5.state import (
     IndexerDecodeState, IndexerKeyState, MLADecodeState, MLALatentState)
 
 
@@ -140,7 +140,7 @@ def _refuse_unsupported(what: str, packed_seq_params=None, inference_context=Non
 
 
 def _decode_shard(binding: DecodeBinding, state, new_tokens: int) -> dict:
-    """Decode under CP: the ``glm5_decode`` arguments of this rank's prompt shard (the
+    """Decode under CP: the ``models/glm5/decode.py`` arguments of this rank's prompt shard (the
     CP group, its rows' global positions, and the prompt's length, i.e. the position of the
     samples' first own token: ``state`` already holds this step's ``new_tokens``); ``{}``
     without CP."""
@@ -171,7 +171,7 @@ def prefix_sparse_attention(query_SBNK, key_SBK, prefix_key_SBK, topk_indices_BS
 class LongStrawDSAIndexer(DSAIndexer, StatefulModule, UsesKernelOptions):
     """Megatron's ``DSAIndexer`` that can rank ``[prompt indexer keys; new keys]``.
 
-    Its prompt state is the indexer key of every prompt token (``glm5_state.IndexerKeyState``).
+    Its prompt state is the indexer key of every prompt token (``models/glm5/state.py``'s ``IndexerKeyState``).
     Its ``forward`` is Megatron's in every mode (``StatefulModule`` comes after ``DSAIndexer``):
     unbound, and under ``ReferenceBinding``, it is Megatron's indexer unchanged (its keys never
     carry gradient, so there is nothing to detach). Bound, ``LongStrawDSAttention`` asks it for

@@ -1,0 +1,107 @@
+"""Qwen3.5 / Qwen3.6 hybrid family (HF ``qwen3_5`` / ``qwen3_5_text``): the config, its checks
+and Megatron's ``TransformerConfig`` and ``GPTModel`` settings for it.
+
+Layers follow HF ``layer_types``: ``linear_attention`` layers are Megatron's ``GatedDeltaNet``
+(fused in_proj ``[q, k, v, z, beta, alpha]``, causal conv over ``[q, k, v]``, gated RMSNorm,
+L2-normed q/k), ``full_attention`` layers are Megatron's ``SelfAttention`` with the output gate,
+per-head zero-centred q/k RMSNorm and partial RoPE (0.25), core attention from this project.
+Every layer has a SwiGLU MLP; all RMSNorms are zero-centred ("1 + w") except Gated DeltaNet's
+output norm, which is plain ``w`` in HF and stays plain here, so weights map one to one.
+"""
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_longstraw.models.hf_config import get, require, rope_parameters
+from megatron_longstraw.models.options import ModelOptions
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+NAME = "Qwen3.5"
+
+_REQUIRED = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "linear_conv_kernel_dim",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+    "linear_num_value_heads", "layer_types",
+)
+_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def normalize_hf_config(hf: dict) -> dict:
+    """Flatten a ``qwen3_5`` (multimodal) config to its ``text_config`` and validate it."""
+    if hf.get("model_type") == "qwen3_5":
+        if "text_config" not in hf:
+            raise ValueError(f"{hf.get('_source', 'config')}: missing field 'text_config'")
+        text = dict(hf["text_config"])
+        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+        text["model_type"] = "qwen3_5_text"
+        text["_source"] = hf.get("_source", "config")
+        hf = text
+    hf = dict(hf)
+    if hf.get("layer_types") is None and hf.get("num_hidden_layers"):
+        interval = get(hf, "full_attention_interval", 4)
+        hf["layer_types"] = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
+    require(hf, _REQUIRED, NAME)
+    bad = [t for t in hf["layer_types"] if t not in _LAYER_TYPES]
+    if bad or len(hf["layer_types"]) != hf["num_hidden_layers"]:
+        raise ValueError(
+            f"{hf.get('_source', 'config')}: layer_types must list {hf['num_hidden_layers']} "
+            f"entries from {_LAYER_TYPES}, got {len(hf['layer_types'])} (bad: {bad[:3]})"
+        )
+    return hf
+
+
+def _check_divisible(value: int, what: str, tp: int) -> None:
+    if value % tp:
+        raise ValueError(f"{what} ({value}) is not divisible by --tensor-model-parallel-size {tp}")
+
+
+def transformer_config(hf: dict, options: ModelOptions) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` for a normalized Qwen3.5 config."""
+    kwargs = options.config_kwargs()
+    tp = kwargs["tensor_model_parallel_size"]
+    for field in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads",
+                  "linear_num_value_heads", "intermediate_size", "vocab_size"):
+        _check_divisible(hf[field], field, tp)
+    if hf["linear_num_value_heads"] % hf["linear_num_key_heads"]:
+        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    linear_pattern = [int(t == "linear_attention") for t in hf["layer_types"]]
+    return TransformerConfig(
+        **kwargs,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf["num_key_value_heads"],
+        kv_channels=hf["head_dim"],
+        layernorm_epsilon=get(hf, "rms_norm_eps", 1e-6),
+        layernorm_zero_centered_gamma=True,
+        qk_layernorm=True,
+        attention_output_gate=True,
+        add_qkv_bias=get(hf, "attention_bias", False),
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=linear_pattern,
+        linear_conv_kernel_dim=hf["linear_conv_kernel_dim"],
+        linear_key_head_dim=hf["linear_key_head_dim"],
+        linear_value_head_dim=hf["linear_value_head_dim"],
+        linear_num_key_heads=hf["linear_num_key_heads"],
+        linear_num_value_heads=hf["linear_num_value_heads"],
+    )
+
+
+def gpt_model_kwargs(hf: dict) -> dict:
+    """Vocabulary, RoPE and tying settings for ``GPTModel``."""
+    rope = rope_parameters(hf)
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{hf.get('_source', 'config')}: rope_type {rope['rope_type']!r} "
+                         "is not supported for Qwen3.5 (only 'default')")
+    return dict(
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=get(hf, "max_position_embeddings", 262_144),
+        position_embedding_type="rope",
+        rotary_percent=get(rope, "partial_rotary_factor", 0.25),
+        rotary_base=get(rope, "rope_theta", 10_000_000),
+        share_embeddings_and_output_weights=get(hf, "tie_word_embeddings", False),
+    )
