@@ -17,7 +17,7 @@
 #       bash scripts/gpu_host.sh batch NAME "COMMAND" [NAME "COMMAND" ...]
 #       bash scripts/gpu_host.sh queue-start NAME "COMMAND" [...]   (a batch that outlives the call)
 #       bash scripts/gpu_host.sh queue-wait [SECONDS]               (its progress so far, or its end)
-# Transformer Engine (../shared/offline-gpu/fetch-te.sh makes .te-1 ... .te-6 here): one call per
+# Transformer Engine (its source and build script split into .te-1 ... .te-6 here): one call per
 # piece while the machine stays warm, carrying .te-N alone (each is up to 56 MiB):
 #       bash scripts/gpu_host.sh te-piece          (carry .te-1, then .te-2, ... .te-5)
 #       bash scripts/gpu_host.sh te-build          (carry .te-6: joins, installs, compiles ~2 min)
@@ -44,7 +44,7 @@
 # `train-sweep` runs several train_grpo.py side by side (common args + each NAME's args), spread
 # round-robin over the visible GPUs, plots each, prints a table, and returns $OUT/train-sweep.tgz
 # (train-NAME/metrics.jsonl, log.txt, learning_curve.png).
-# Wheels come from ../shared/offline-gpu/fetch-wheels.sh, run here in the repo root.
+# Wheels: docs/development.md (A GPU host without package access).
 #
 # Kernel cache: a fresh host spends ~4 minutes compiling and autotuning fla's Triton and tilelang
 # kernels for each new shape. Triton keeps autotuning results on disk (TRITON_CACHE_AUTOTUNING,

@@ -22,9 +22,13 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
-    """Every command line built from the configuration, by command."""
+    """The trainer's, the planner's and every benchmark's command line, by command. (Not the
+    checkpoint converter's: its --load, --save, --model and --tokenizer-model name a conversion's
+    input and output, not a run's.)"""
+    import bench_convert_memory
     import bench_decode
     import bench_fp8_attention
+    import bench_fp8_attention_calls
     import bench_linear_fp8
     import bench_longstraw
     import exact_gradient_check
@@ -39,7 +43,9 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
             "tools/bench_fp8_attention.py": bench_fp8_attention.build_parser(),
             "tools/bench_linear_fp8.py": bench_linear_fp8.build_parser(),
             "tools/exact_gradient_check.py": exact_gradient_check.build_parser(),
-            "tools/fp8_sensitivity.py": fp8_sensitivity.build_parser()}
+            "tools/fp8_sensitivity.py": fp8_sensitivity.build_parser(),
+            "tools/bench_fp8_attention_calls.py": bench_fp8_attention_calls.build_parser(),
+            "tools/bench_convert_memory.py": bench_convert_memory.build_parser()}
 
 
 def _definition(action: argparse.Action) -> tuple:

@@ -288,3 +288,29 @@ def test_converted_checkpoint_loads_under_pipeline_parallelism(converted):
     layers = hf["num_hidden_layers"]
     assert [ids for ids, _ in results] == [list(range(layers // 2)), list(range(layers // 2, layers))]
     assert [bad for _, bad in results] == [[], []]
+
+
+def test_multimodal_qwen_checkpoint_converts_both_ways(tmp_path):
+    """A ``qwen3_5`` (multimodal) folder: text model under ``model.language_model.``, its config
+    nested in ``text_config``, a vision tower beside it. hf-to-mcore takes the text model,
+    mcore-to-hf writes it back as ``Qwen3_5ForCausalLM`` with the same tensors."""
+    hf = dict(copy.deepcopy(all_presets()["qwen3.5-debug"]), tie_word_embeddings=True)
+    build_hf_model(hf, seed=4).save_pretrained(tmp_path / "text")
+    text = _hf_tensors(tmp_path / "text")
+    config = json.loads((tmp_path / "text" / "config.json").read_text())
+    wrapped = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+               "tie_word_embeddings": True, "vision_config": {"depth": 1},
+               "text_config": {k: v for k, v in config.items() if k not in ("architectures", "tie_word_embeddings")}}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(wrapped))
+    tensors = {name.replace("model.", "model.language_model.", 1): t for name, t in text.items()}
+    save_file(dict(tensors, **{"model.visual.patch_embed.proj.weight": torch.ones(4, 3)}),
+              tmp_path / "hf" / "model.safetensors")
+    assert convert_checkpoint.main(["hf-to-mcore", "--load", str(tmp_path / "hf"), "--save", str(tmp_path / "mcore"),
+                                    "--no-progress"]) == 0
+    assert convert_checkpoint.main(["mcore-to-hf", "--load", str(tmp_path / "mcore"), "--save", str(tmp_path / "back"),
+                                    "--no-progress"]) == 0
+    back = _hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(text)
+    assert all(torch.equal(back[name], text[name]) for name in text)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "qwen3_5_text"

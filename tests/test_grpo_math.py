@@ -275,6 +275,11 @@ def test_bad_flags_in_functions():
         group_advantages(torch.tensor([1.0, 0.0]), normalization="std")
     with pytest.raises(ValueError, match="--loss-aggregation"):
         aggregate(PER_TOKEN_RB, MASK_RB, [0, 1, 2], "tokens", 6.0)
+    for aggregation in ("tokens", None):  # (None: the flag's unset value, which a loss resolves first)
+        with pytest.raises(ValueError, match="--loss-aggregation"):
+            aggregate(PER_TOKEN_RB, MASK_RB, [0, 1, 2], aggregation, 6.0)
+        with pytest.raises(ValueError, match="--loss-aggregation"):
+            loss_normalizer([3, 1, 2], aggregation)
     with pytest.raises(ValueError, match="--clip-eps-high"):
         clipped_surrogate(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), 0.2, -0.2)
 

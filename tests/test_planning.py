@@ -136,6 +136,15 @@ def test_cli_table_and_json(capsys):
     assert {"weights", "prompt_state", "peak"} <= set(plans[0]["memory_gib"])
 
 
+def test_cli_virtual_stages_alone_search_the_pipeline_size(capsys):
+    """Virtual stages given without a pipeline size ask for the layouts of PP > 1."""
+    argv = ["--model", "qwen3.5-0.8b", "--num-gpus", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+            "--prompt-length", "65536", "--json"]
+    assert _plan_budget().main(argv) == 0
+    layouts = {(p["layout"]["pp"], p["layout"]["vpp"]) for p in json.loads(capsys.readouterr().out)["plans"]}
+    assert layouts == {(2, 2), (4, 2)}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--gpu", "v100"], "--gpu v100: unknown GPU"),
     (["--model", "{bad"], "neither a preset"),
@@ -144,6 +153,8 @@ def test_cli_table_and_json(capsys):
     (["--gpu-tflops", "0"], "--gpu-tflops 0.0: must be positive"),
     (["--max-step-seconds", "600"], "--max-step-seconds needs --max-prompt"),
     (["--against", "/nonexistent"], "--against /nonexistent: no such folder"),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-model-parallel-size", "1"],
+     "virtual pipeline stages need --pipeline-model-parallel-size > 1"),
 ])
 def test_cli_bad_input_one_line(capsys, args, message):
     base = [] if args[0] == "--model" else ["--model", "qwen3.5-0.8b"]

@@ -10,7 +10,7 @@ which the tiny model's tensors never reach). The check: peak <= 2 x largest tens
 
 Example:
     python tools/bench_convert_memory.py --hidden-size 2048 --ffn-hidden-size 8192 \\
-        --vocab-size 65536 --num-layers 4 --output docs/convert_memory.md
+        --vocab-size 65536 --num-hidden-layers 4 --output docs/convert_memory.md
 """
 
 import argparse
@@ -41,9 +41,9 @@ def synthetic_config(args) -> dict:
     """A Qwen3.5 text config with the requested sizes (3 GDN layers per attention layer)."""
     hf = copy.deepcopy(PRESETS["qwen3.5-debug"])
     hf.update(hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
-              vocab_size=args.vocab_size, num_hidden_layers=args.num_layers,
+              vocab_size=args.vocab_size, num_hidden_layers=args.num_hidden_layers,
               layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                           for i in range(args.num_layers)],
+                           for i in range(args.num_hidden_layers)],
               num_attention_heads=16, num_key_value_heads=4, head_dim=128,
               linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128,
               linear_value_head_dim=128, tie_word_embeddings=False)
@@ -114,17 +114,24 @@ def convert_both(hf_folder: Path, work: Path, shard: str) -> tuple[int, int]:
     return up, down
 
 
-def main(argv=None) -> dict:
-    """Run the benchmark; prints (and optionally writes) a markdown report."""
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags (its own: the synthetic checkpoint's sizes)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden-size", type=int, default=2048)
-    p.add_argument("--ffn-hidden-size", type=int, default=8192)
-    p.add_argument("--vocab-size", type=int, default=65536)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--shard-size-mb", type=int, default=400)
+    g = p.add_argument_group("synthetic checkpoint", "the HF config fields of the checkpoint it converts")
+    g.add_argument("--hidden-size", type=int, default=2048, help="hidden_size (default: 2048)")
+    g.add_argument("--ffn-hidden-size", type=int, default=8192, help="intermediate_size (default: 8192)")
+    g.add_argument("--vocab-size", type=int, default=65536, help="vocab_size (default: 65536)")
+    g.add_argument("--num-hidden-layers", type=int, default=4,
+                   help="num_hidden_layers, every fourth full attention (default: 4)")
+    g.add_argument("--shard-size-mb", type=int, default=400, help="safetensors shard size in MiB (default: 400)")
     p.add_argument("--workdir", default=None, help="temporary folder (default: system temp)")
     p.add_argument("--output", default=None, help="write the markdown report here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark; prints (and optionally writes) a markdown report."""
+    args = build_parser().parse_args(argv)
     command = command_line(argv)
     work = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench_convert_"))
     try:

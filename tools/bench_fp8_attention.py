@@ -49,7 +49,7 @@ from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capt
 from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
 from fp8_sensitivity import compare
 
-PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (../shared/offline-gpu/README.md)
+PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (docs/longstraw_benchmark.md)
 
 
 def comma_lengths(text: str, flag: str) -> list[int]:

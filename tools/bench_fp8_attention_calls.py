@@ -29,6 +29,8 @@ import torch
 from megatron_longstraw.attention import fp8_capture_attention as fp8
 from megatron_longstraw.attention.partials import expand_groups
 from megatron_longstraw.attention.prefix_attention import prefix_causal_attention
+from megatron_longstraw.config import cli
+from megatron_longstraw.config.benchmark import BenchOutputConfig, TimingConfig
 from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.testing.exact_attention import exact_chunk_attention
 from megatron_longstraw.testing.fp8_attention_emulation import emulated_sdpa_fp8
@@ -48,7 +50,8 @@ def _names(text: str, flag: str, allowed) -> list[str]:
     return names
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags: the timing and output ones from the configuration (``config/``), its own."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA groups)")
@@ -65,10 +68,14 @@ def parse_args(argv=None):
     p.add_argument("--prefix-blocks", default="16384,65536,262144",
                    help="comma-separated page-block sizes of the capture rows")
     p.add_argument("--rows", type=int, default=64, help="query rows compared with exact attention per call or chunk")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions (after one warm-up)")
-    p.add_argument("--output-dir", default="docs/bench", help="folder for the JSON and Markdown results")
-    p.add_argument("--tag", default="", help="suffix for the output file names")
-    args = p.parse_args(argv)
+    cli.add_flags(p, TimingConfig)
+    cli.add_flags(p, BenchOutputConfig)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    cli.group_from(args, TimingConfig)
     args.queries = comma_lengths(args.queries, "--queries")
     args.keys = comma_lengths(args.keys, "--keys")
     args.pages = comma_lengths(args.pages, "--pages")
@@ -77,7 +84,7 @@ def parse_args(argv=None):
     args.layouts = _names(args.layouts, "--layouts", LAYOUTS)
     args.values = _names(args.values, "--values", VALUES)
     args.centres = _names(args.centres, "--centres", CENTRES)
-    for flag in ("heads", "kv_heads", "head_dim", "rows", "repeats"):
+    for flag in ("heads", "kv_heads", "head_dim", "rows"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.heads % args.kv_heads:

@@ -17,7 +17,7 @@ import torch
 
 from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
 from megatron_longstraw.config import cli
-from megatron_longstraw.config.benchmark import BenchOutputConfig
+from megatron_longstraw.config.benchmark import BenchOutputConfig, TimingConfig
 from megatron_longstraw.config.model import ModelConfig, PrecisionConfig
 from megatron_longstraw.config.parallel import ParallelSizes
 from megatron_longstraw.distributed import destroy_distributed, init_distributed
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_flags(p, BenchOutputConfig)
     g = p.add_argument_group("linear layers")
     g.add_argument("--tokens", type=int, default=32768, help="rows of each linear's input (default: 32768)")
-    g.add_argument("--repeats", type=int, default=10, help="timed forward + backward passes per shape (default: 10)")
+    cli.add_flags(p, TimingConfig)
     return p
 
 
@@ -45,12 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     cli.group_from(args, ModelConfig)
     cli.group_from(args, PrecisionConfig)
+    cli.group_from(args, TimingConfig)
     if not torch.cuda.is_available() or not have_transformer_engine():
         raise ValueError("tools/bench_linear_fp8.py needs a CUDA GPU and Transformer Engine")
     if args.fp8_format is None:
         raise ValueError("tools/bench_linear_fp8.py compares FP8 with bf16: give --fp8-format")
-    if args.tokens < 1 or args.repeats < 1:
-        raise ValueError("--tokens and --repeats must be >= 1")
+    if args.tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     return args
 
 

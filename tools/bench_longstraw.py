@@ -36,7 +36,7 @@ from megatron_longstraw.planning.measured import bench_plan
 from megatron_longstraw.planning.planner import model_profile
 from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
 
-PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (../shared/offline-gpu/README.md)
+PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (docs/longstraw_benchmark.md)
 GiB = 2 ** 30
 
 

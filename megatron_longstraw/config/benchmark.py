@@ -1,5 +1,5 @@
-"""The benchmarks' configuration: ``tools/bench_longstraw.py``'s root, and the output folder every
-benchmark writes to."""
+"""The benchmarks' configuration: ``tools/bench_longstraw.py``'s root, the output folder every
+benchmark writes to, and how the micro-benchmarks time a call."""
 
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
@@ -25,6 +25,21 @@ class BenchOutputConfig(ConfigNode):
 
     tag: str = ""
     """Suffix for the output file names."""
+
+
+@dataclass(frozen=True)
+class TimingConfig(ConfigNode):
+    """How a micro-benchmark times one measured call (``tools/bench_linear_fp8.py``,
+    ``tools/bench_fp8_attention_calls.py``)."""
+
+    TITLE: ClassVar[str] = "timing"
+
+    repeats: int = 10
+    """Timed repetitions of each measured call, after one warm-up; their mean is reported."""
+
+    def check(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,7 @@ class BenchmarkConfig(ConfigNode):
         "flags": ("context_parallel_size", "pipeline_model_parallel_size", "num_virtual_stages_per_pipeline_rank"),
         "about": "launch with torchrun --nproc-per-node N for N > 1; LongStraw mode only"})
     precision: PrecisionConfig = field(default_factory=PrecisionConfig, metadata={
-        "flags": ("fp8_format", "fp8_recipe")})
+        "flags": ("fp8_format", "fp8_recipe", "fp8_attention")})
     longstraw: LongStrawConfig = field(default_factory=LongStrawConfig, metadata={
         "flags": ("prompt_chunk_size", "replay_micro_batch_size", "prompt_gradient")})
     workload: WorkloadConfig = field(default_factory=WorkloadConfig, metadata={

@@ -123,7 +123,9 @@ def _late(reference: str):
 
 
 def flag_spec(owner: type, f: dataclasses.Field) -> FlagSpec:
-    """The flag of field ``f`` of the group ``owner`` (module doc)."""
+    """The flag of field ``f`` of the group ``owner`` (module doc); its owner is the class that
+    defines the field (a subclass of a group takes its base's flags as they are)."""
+    owner = next(c for c in owner.__mro__ if f.name in vars(c).get("__annotations__", {}))
     hints = typing.get_type_hints(owner)
     annotation = _unwrap_optional(hints[f.name])
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

@@ -33,8 +33,6 @@ class GRPOConfig(ConfigNode):
     trained whatever its rewards."""
 
     def check(self) -> None:
-        if self.num_generations < 1:
-            raise ValueError(f"--num-generations must be >= 1, got {self.num_generations}")
         if self.num_generations < 2:  # every loss trains on grpo/advantages.py's group_advantages
             raise ValueError(f"--num-generations must be >= 2, got {self.num_generations}: advantages are "
                              "group-relative (each reward minus its group's mean), so a group of one sample has "

@@ -22,8 +22,8 @@ class ModelConfig(ConfigNode):
 
     model: Optional[str] = None
     """Preset name, HF folder or config.json, or a checkpoint folder (tools/convert_checkpoint.py
-    output or a trainer save: its hf_config.json) (default: the trainer's --pretrained-checkpoint
-    model, else qwen3.5-debug)."""
+    output or a trainer save: its hf_config.json) (default: the model of --pretrained-checkpoint
+    where the command takes it, else qwen3.5-debug)."""
 
     hf_config: Optional[str] = None
     """HF config.json or folder, overriding --model (default: unset)."""

@@ -20,11 +20,15 @@ class ParallelSizes:
     pipeline: int = 1
     virtual_pipeline: int = 1  # model chunks per pipeline rank (Megatron's interleaved schedule)
 
-    def check(self) -> None:
-        """``ValueError`` naming the flag of a size below 1, or virtual stages without PP."""
+    def check_each(self) -> None:
+        """``ValueError`` naming the flag of a size below 1."""
         for name, flag in _SIZE_FLAGS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
+
+    def check(self) -> None:
+        """``ValueError`` naming the flag of a size below 1, or virtual stages without PP."""
+        self.check_each()
         if self.virtual_pipeline > 1 and self.pipeline == 1:
             raise ValueError(f"--num-virtual-stages-per-pipeline-rank {self.virtual_pipeline} needs "
                              "--pipeline-model-parallel-size > 1")

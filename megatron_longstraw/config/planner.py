@@ -84,7 +84,19 @@ class PlanQueryConfig(ConfigNode):
             raise ValueError(f"--top {self.top}: must be 0 (all) or more")
 
 
-_LAYOUT_ABOUT = "the sizes given fix the layout; every valid size of the others is searched"
+@dataclass(frozen=True)
+class SearchedParallelConfig(ParallelConfig):
+    """The parallel sizes of a planner question: the sizes not given are searched, so each given
+    size is checked alone (``--num-virtual-stages-per-pipeline-rank 2`` without
+    ``--pipeline-model-parallel-size`` asks for the layouts of PP > 1); the search drops the
+    combinations that do not hold together (``planning/layouts.py``)."""
+
+    def check(self) -> None:
+        self.sizes.check_each()
+
+
+_LAYOUT_ABOUT = ("the sizes given fix the layout; every valid size of the others is searched (the defaults "
+                 "shown are the trainer's)")
 
 
 @dataclass(frozen=True)
@@ -93,15 +105,16 @@ class PlannerConfig(ConfigNode):
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata={
         "flags": ("model", "hf_config", "model_family", "num_layers", "recompute_granularity"),
-        "about": "--recompute-granularity unset: both settings are tried"})
-    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"about": _LAYOUT_ABOUT})
+        "about": "--recompute-granularity not given: both settings are tried (the default shown is the trainer's)"})
+    parallel: SearchedParallelConfig = field(default_factory=SearchedParallelConfig,
+                                             metadata={"about": _LAYOUT_ABOUT})
     training: TrainingConfig = field(default_factory=TrainingConfig, metadata={"flags": ("global_batch_size",)})
     grpo: GRPOConfig = field(default_factory=GRPOConfig, metadata={"flags": ("num_generations",)})
     loss: LossConfig = field(default_factory=LossConfig, metadata={"flags": ("kl_coef",)})
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"flags": ("rollout_source",)})
     longstraw: LongStrawConfig = field(default_factory=LongStrawConfig, metadata={
         "flags": ("prompt_chunk_size", "replay_micro_batch_size", "prompt_gradient"),
-        "about": "--prompt-chunk-size unset: several sizes are tried"})
+        "about": "--prompt-chunk-size not given: several sizes are tried (the default shown is the trainer's)"})
     workload: WorkloadConfig = field(default_factory=WorkloadConfig, metadata={
         "flags": ("prompt_length", "response_length")})
     hardware: HardwareConfig = field(default_factory=HardwareConfig)

@@ -1,7 +1,8 @@
 """Analytic FLOPs (for MFU) and the memory floor of a LongStraw step.
 
 The FLOPs formulas belong to the model families (``prompt_flops`` / ``response_forward_flops`` of
-each family file, composed from ``models/flops.py``); this module asks the model's family.
+each family's ``models/<family>/profile.py``, composed from ``models/flops.py``); this module asks
+the model's family.
 """
 
 from megatron_longstraw.models.registry import family_for

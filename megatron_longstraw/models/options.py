@@ -1,7 +1,7 @@
 """Build options shared by every family: implementation, precision, FP8 and kernel settings."""
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -9,13 +9,14 @@ from megatron.core import parallel_state
 from megatron_longstraw.config.kernels import KernelOptions
 from megatron_longstraw.config.model import (FP8Attention, FP8Format, FP8Recipe, ModelConfig, PrecisionConfig,
                                              TransformerImpl)
+from megatron_longstraw.config.node import ConfigNode
 from megatron_longstraw.config.parallel import ParallelConfig
 
 
 @dataclass
-class ModelOptions:
+class ModelOptions(ConfigNode):
     """How to build a model (not what model): backend, dtype, FP8, sequence parallel; the choices
-    are the flags' (``config/model.py``), checked where the flags are."""
+    are the flags' (``config/model.py``), checked on construction as a configuration node's."""
 
     transformer_impl: TransformerImpl = "local"
     params_dtype: torch.dtype = torch.float32
@@ -24,7 +25,7 @@ class ModelOptions:
     fp8_attention: FP8Attention = "off"
     """``--fp8-attention``: ``capture`` hooks the FP8 capture attention into the attention cores."""
     sequence_parallel: bool = False
-    recompute_granularity: Optional[str] = None
+    recompute_granularity: Optional[Literal["full"]] = None
     """Megatron's: ``"full"`` or ``None``."""
     perform_initialization: bool = True
     """``False``: leave weights uninitialized (checkpoint layouts)."""

@@ -107,6 +107,9 @@ class WeightMap:
     """``(HF output layer, HF embedding)``: under ``tie_word_embeddings`` the output layer is not
     a tensor of its own (read: ignored; written: the embedding, in transformers' module layout)."""
     num_layers_field: str = "num_hidden_layers"
+    normalize: Callable[[dict], dict] = lambda hf: hf
+    """The family's ``normalize_hf_config``: each conversion reads the config as given (e.g. a
+    multimodal checkpoint's, its text model nested) through it."""
 
     @cached_property
     def _hf_patterns(self) -> list[tuple[re.Pattern, WeightRule, int]]:
@@ -148,6 +151,7 @@ class WeightMap:
         Megatron tensor they make; a stacked tensor is its own group); ``None`` for tensors
         outside the Megatron model, which ``hf_to_mcore`` drops. Used to stream a checkpoint a
         group at a time."""
+        hf = self.normalize(hf)
         canonical = self.canonical(name)
         if self.dropped(canonical, hf):
             return None
@@ -168,6 +172,7 @@ class WeightMap:
         ``hf_group`` groups (streaming) and skips the whole-model checks (``required`` rules) and
         the drop warning. ``ValueError`` names an unexpected HF tensor or the missing part of a
         fused one."""
+        hf = self.normalize(hf)
         pending: dict[tuple[int, tuple], dict[int, tuple[str, torch.Tensor]]] = {}
         rules: dict[int, WeightRule] = {}
         dropped = []
@@ -221,6 +226,7 @@ class WeightMap:
         ``checkpoint_layout=True`` gives the names HF checkpoint files hold (one tensor per
         expert, no tied output layer); otherwise transformers' module layout (stacked experts,
         every expert of a layer given; the tied output layer as the embedding)."""
+        hf = self.normalize(hf)
         wanted = "checkpoint" if checkpoint_layout else "module"
         stacked: dict[tuple[int, tuple], dict[int, torch.Tensor]] = {}
         rules: dict[int, WeightRule] = {}

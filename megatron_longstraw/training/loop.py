@@ -25,7 +25,7 @@ from megatron_longstraw.training.optimizer import build_optimizer, build_schedul
 from megatron_longstraw.training.plan_check import check_plan
 from megatron_longstraw.training.run_logger import RunLogger
 from megatron_longstraw.training.setup import build_policy, build_prompt_source, build_reward_fn, policy_hf_config
-from megatron_longstraw.training.startup import resume_path
+from megatron_longstraw.training.startup import model_source, resume_path
 
 
 def train(config: TrainerConfig):
@@ -62,13 +62,17 @@ def train(config: TrainerConfig):
                   f"{time.perf_counter() - load_start:.1f} s", flush=True)
     if config.evaluation.skip_train:
         return evaluate_checkpoint(model, source, config, reward_fn, tokenizer.eos_id, iteration, rank0), model
-    logger = RunLogger(config.logging, train_iters, cli.as_dict(config), run_id=trainer_state.get("wandb_run_id"),
-                       resume_step=iteration)
+    policy_loss = get_policy_loss(config.loss.loss_type)
+    # the flags as given, and what the run made of them
+    resolved = dict(model_source=model_source(config), load=str(load) if load else None, train_iters=train_iters,
+                    data_parallel_size=config.data_parallel_size, groups_per_rank=config.groups_per_rank,
+                    loss_aggregation=policy_loss.aggregation_of(config.loss), lr_decay_iters=config.lr_decay_iters)
+    logger = RunLogger(config.logging, train_iters, dict(cli.as_dict(config), resolved=resolved),
+                       run_id=trainer_state.get("wandb_run_id"), resume_step=iteration)
     generator = torch.Generator(device=device())  # sampling; reseeded per step so resumes are exact
     dp_rank = parallel_state.get_data_parallel_rank()
     step_shape = StepShape(groups_per_rank=config.groups_per_rank, data_parallel_size=config.data_parallel_size,
                            max_response_length=config.rollout.max_response_length)
-    policy_loss = get_policy_loss(config.loss.loss_type)
     curriculum = config.curriculum
     sampling = config.grpo
     metrics = {}

@@ -42,11 +42,16 @@ def clipped_surrogate(logprobs_RB: torch.Tensor, old_logprobs_RB: torch.Tensor, 
     return clip_objective(ratio_RB, advantages_B.to(ratio_RB.dtype).unsqueeze(0), clip_eps_low, clip_eps_high)
 
 
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"--loss-aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+
+
 def loss_normalizer(response_lengths: Sequence[int], aggregation: str) -> float:
     """Normalizer of a global batch: its real response tokens (``"token"``) or sequences
     (``"sequence"``). If the data-parallel gradient reduction averages over ranks, the caller
     divides the all-rank count by the data-parallel size."""
-    LossConfig(loss_aggregation=aggregation)
+    _check_aggregation(aggregation)
     if not response_lengths or any(n <= 0 for n in response_lengths):
         raise ValueError(f"response lengths must be positive, got {list(response_lengths)}")
     return float(sum(response_lengths) if aggregation == "token" else len(response_lengths))
@@ -61,7 +66,7 @@ def aggregate(per_token_RB: torch.Tensor, mask_RB: torch.Tensor, indices: Sequen
     (= sequences in the global batch). Padding is excluded even if it holds inf or NaN. Checks
     its arguments (``ValueError``); the losses call the unchecked ``loss_terms.aggregated_sum``.
     """
-    LossConfig(loss_aggregation=aggregation)
+    _check_aggregation(aggregation)
     if not normalizer > 0:
         raise ValueError(f"loss normalizer must be > 0, got {normalizer}")
     assert per_token_RB.shape == mask_RB.shape and mask_RB.shape[1] == len(indices), \

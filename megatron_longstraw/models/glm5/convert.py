@@ -13,6 +13,7 @@ import re
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_longstraw.models.glm5.config import normalize_hf_config
 from megatron_longstraw.models.weight_map import MODEL_RULES, WeightMap, WeightRule, layer_rules
 
 
@@ -84,6 +85,7 @@ WEIGHTS = WeightMap(
     dropped=_mtp,
     drop_warning="GLM-5: dropping {count} MTP weights (model.layers.{num_hidden_layers}.*); multi-token "
                  "prediction is not part of the Megatron model",
+    normalize=normalize_hf_config,
 )
 """GLM-5's weight table."""
 

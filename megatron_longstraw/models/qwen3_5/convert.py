@@ -103,6 +103,7 @@ WEIGHTS = WeightMap(
     ),
     hf_prefixes=(("model.language_model.", "model."),),
     dropped=lambda name, hf: name.startswith(("model.visual.", "model.mtp.")),
+    normalize=normalize_hf_config,
 )
 """Qwen3.5's weight table; HF names under ``model.`` (or ``model.language_model.``)."""
 
