@@ -202,3 +202,31 @@ def test_the_namespace_check_can_fail():
     assert namespace_problems(source, "m.py") == [
         "m.py:1: imports argparse", "m.py:2: imports from argparse",
         "m.py:3: parameter args annotated argparse.Namespace", "m.py:4: reads args.kl_coef"]
+
+
+_HELP_PROBE = """
+import runpy, sys
+sys.argv = [sys.argv[1], "--help"]
+sys.path.insert(0, {tools!r})
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as end:
+    assert end.code in (0, None), end.code
+heavy = sorted({{"torch", "megatron"}} & {{name.split(".")[0] for name in sys.modules}})
+print("HEAVY", heavy)
+"""
+
+
+@pytest.mark.parametrize("command", ["train_grpo.py", "tools/plan_budget.py", "tools/bench_longstraw.py",
+                                     "tools/bench_decode.py", "tools/bench_fp8_attention.py",
+                                     "tools/bench_linear_fp8.py", "tools/exact_gradient_check.py",
+                                     "tools/fp8_sensitivity.py"])
+def test_help_answers_before_torch_and_megatron_load(command):
+    """``--help`` is built from the configuration alone: neither torch nor Megatron is imported
+    (what made it take seconds)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _HELP_PROBE.format(tools=str(ROOT / "tools")), str(ROOT / command)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HEAVY []" in out.stdout, out.stdout[-500:]

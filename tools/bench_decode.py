@@ -25,29 +25,14 @@ import time
 from pathlib import Path
 
 from megatron_longstraw import console
-
-console.quiet_third_party()  # before torch and Megatron load
-
-import torch  # noqa: E402
-
-from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config  # noqa: E402
-from megatron_longstraw.config import cli  # noqa: E402
-from megatron_longstraw.config.benchmark import BenchOutputConfig  # noqa: E402
-from megatron_longstraw.config.grpo import RolloutConfig  # noqa: E402
-from megatron_longstraw.config.kernels import KernelOptions  # noqa: E402
-from megatron_longstraw.config.longstraw import LongStrawConfig  # noqa: E402
-from megatron_longstraw.config.model import ModelConfig  # noqa: E402
-from megatron_longstraw.config.parallel import ParallelSizes  # noqa: E402
-from megatron_longstraw.config.workload import WorkloadConfig  # noqa: E402
-from megatron_longstraw.distributed import destroy_distributed, device, init_distributed  # noqa: E402
-from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
-from megatron_longstraw.models.builder import build_model  # noqa: E402
-from megatron_longstraw.models.options import ModelOptions  # noqa: E402
-from megatron_longstraw.models.registry import family_for  # noqa: E402
-from megatron_longstraw.rollout.generate import generate_from_state  # noqa: E402
-from bench_output import bench_stem, command_line, write_bench_files  # noqa: E402  (tools/, beside this script)
-
-GiB = 2 ** 30
+from megatron_longstraw.config import cli
+from megatron_longstraw.config.benchmark import BenchOutputConfig
+from megatron_longstraw.config.grpo import RolloutConfig
+from megatron_longstraw.config.kernels import KernelOptions
+from megatron_longstraw.config.longstraw import LongStrawConfig
+from megatron_longstraw.config.model import ModelConfig
+from megatron_longstraw.config.parallel import ParallelSizes
+from megatron_longstraw.config.workload import WorkloadConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also profile G samples decoding at each prompt length (operator tables beside the "
                         "results; default: 0, off)")
     return p
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and a bad flag answer before torch and Megatron load
+
+console.quiet_third_party()  # before torch and Megatron load
+
+import torch  # noqa: E402
+
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config  # noqa: E402
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
+from megatron_longstraw.models.builder import build_model  # noqa: E402
+from megatron_longstraw.models.options import ModelOptions  # noqa: E402
+from megatron_longstraw.models.registry import family_for  # noqa: E402
+from megatron_longstraw.rollout.generate import generate_from_state  # noqa: E402
+from bench_output import bench_stem, command_line, write_bench_files  # noqa: E402 (tools/, beside this script)
+
+GiB = 2 ** 30
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -26,11 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from megatron_longstraw.attention import fp8_capture_attention as fp8
-from megatron_longstraw.attention.sdpa_core import SDPACoreAttention, capture_attention_as
-from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
 from megatron_longstraw.config import cli
 from megatron_longstraw.config.benchmark import BenchOutputConfig, LongStrawBenchConfig
 from megatron_longstraw.config.grpo import GRPOConfig
@@ -38,29 +33,6 @@ from megatron_longstraw.config.longstraw import LongStrawConfig
 from megatron_longstraw.config.model import ModelConfig
 from megatron_longstraw.config.parallel import ParallelSizes
 from megatron_longstraw.config.workload import WorkloadConfig
-from megatron_longstraw.distributed import destroy_distributed, device, init_distributed
-from megatron_longstraw.longstraw.capture import capture_prompt
-from megatron_longstraw.longstraw.cost_model import prompt_flops
-from megatron_longstraw.longstraw.replay import replay_responses
-from megatron_longstraw.models.builder import build_model
-from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.rollout.generate import full_vocab_logits
-from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capture_attention, emulated_sdpa_fp8
-from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
-from fp8_sensitivity import compare
-
-PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (docs/longstraw_benchmark.md)
-
-
-def comma_lengths(text: str, flag: str) -> list[int]:
-    """The positive token counts of a comma-separated flag value; ``ValueError`` naming the flag."""
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError as err:
-        raise ValueError(f"{flag} {text!r}: give comma-separated token counts") from err
-    if any(v < 1 for v in values):
-        raise ValueError(f"{flag} {text!r}: every length must be >= 1")
-    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +55,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cudnn: cuDNN's sdpa_fp8 (Hopper, nvidia-cudnn-frontend); emulated: the same "
                         "orchestration on its torch emulation (any machine, times meaningless) (default: cudnn)")
     return p
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and a bad flag answer before torch and Megatron load
+
+import torch  # noqa: E402
+
+from megatron_longstraw.attention import fp8_capture_attention as fp8  # noqa: E402
+from megatron_longstraw.attention.sdpa_core import SDPACoreAttention, capture_attention_as  # noqa: E402
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config  # noqa: E402
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
+from megatron_longstraw.longstraw.cost_model import prompt_flops  # noqa: E402
+from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
+from megatron_longstraw.models.builder import build_model  # noqa: E402
+from megatron_longstraw.models.options import ModelOptions  # noqa: E402
+from megatron_longstraw.rollout.generate import full_vocab_logits  # noqa: E402
+from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capture_attention, emulated_sdpa_fp8  # noqa: E402
+from bench_output import bench_stem, command_line, write_bench_files  # noqa: E402 (tools/, beside this script)
+from fp8_sensitivity import compare  # noqa: E402
+
+PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (docs/longstraw_benchmark.md)
+
+
+def comma_lengths(text: str, flag: str) -> list[int]:
+    """The positive token counts of a comma-separated flag value; ``ValueError`` naming the flag."""
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError as err:
+        raise ValueError(f"{flag} {text!r}: give comma-separated token counts") from err
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag} {text!r}: every length must be >= 1")
+    return values
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -13,17 +13,10 @@ import argparse
 import sys
 from collections import Counter
 
-import torch
-
-from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
 from megatron_longstraw.config import cli
 from megatron_longstraw.config.benchmark import BenchOutputConfig, TimingConfig
 from megatron_longstraw.config.model import ModelConfig, PrecisionConfig
 from megatron_longstraw.config.parallel import ParallelSizes
-from megatron_longstraw.distributed import destroy_distributed, init_distributed
-from megatron_longstraw.models.builder import build_model
-from megatron_longstraw.models.options import ModelOptions, have_transformer_engine
-from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokens", type=int, default=32768, help="rows of each linear's input (default: 32768)")
     cli.add_flags(p, TimingConfig)
     return p
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and a bad flag answer before torch and Megatron load
+
+import torch  # noqa: E402
+
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config  # noqa: E402
+from megatron_longstraw.distributed import destroy_distributed, init_distributed  # noqa: E402
+from megatron_longstraw.models.builder import build_model  # noqa: E402
+from megatron_longstraw.models.options import ModelOptions, have_transformer_engine  # noqa: E402
+from bench_output import bench_stem, command_line, write_bench_files  # noqa: E402 (tools/, beside this script)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

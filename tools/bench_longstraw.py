@@ -17,27 +17,8 @@ import json
 import sys
 import time
 
-import torch
-
-from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
 from megatron_longstraw.config import cli
 from megatron_longstraw.config.benchmark import BenchmarkConfig
-from megatron_longstraw.distributed import destroy_distributed, device, init_distributed
-from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter
-from megatron_longstraw.longstraw.capture import capture_prompt
-from megatron_longstraw.longstraw.cost_model import memory_floor_bytes, prompt_flops
-from megatron_longstraw.longstraw.full_graph import full_graph_responses
-from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support, prompt_backward
-from megatron_longstraw.longstraw.replay import replay_responses
-from megatron_longstraw.models.builder import build_stage_model
-from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.planning.hardware import gib_of_gb
-from megatron_longstraw.planning.measured import bench_plan
-from megatron_longstraw.planning.planner import model_profile
-from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
-
-PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (docs/longstraw_benchmark.md)
-GiB = 2 ** 30
 
 
 def build_parser():
@@ -48,6 +29,29 @@ def build_parser():
 def parse_args(argv=None) -> BenchmarkConfig:
     """The benchmark's configuration of the command line ``argv``."""
     return cli.parse(BenchmarkConfig, argv, build_parser())[0]
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and a bad flag answer before torch and Megatron load
+
+import torch  # noqa: E402
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config  # noqa: E402
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter  # noqa: E402
+from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
+from megatron_longstraw.longstraw.cost_model import memory_floor_bytes, prompt_flops  # noqa: E402
+from megatron_longstraw.longstraw.full_graph import full_graph_responses  # noqa: E402
+from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support, prompt_backward  # noqa: E402
+from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
+from megatron_longstraw.models.builder import build_stage_model  # noqa: E402
+from megatron_longstraw.models.options import ModelOptions  # noqa: E402
+from megatron_longstraw.planning.hardware import gib_of_gb  # noqa: E402
+from megatron_longstraw.planning.measured import bench_plan  # noqa: E402
+from megatron_longstraw.planning.planner import model_profile  # noqa: E402
+from bench_output import bench_stem, command_line, write_bench_files  # noqa: E402 (tools/, beside this script)
+
+PEAK_TFLOPS = 785.0  # measured bf16 matmul peak of the H200 host (docs/longstraw_benchmark.md)
+GiB = 2 ** 30
 
 
 def _sync():

@@ -19,9 +19,6 @@ import argparse
 import sys
 import time
 
-import torch
-
-from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
 from megatron_longstraw.config import cli
 from megatron_longstraw.config.benchmark import BenchOutputConfig
 from megatron_longstraw.config.longstraw import LongStrawConfig
@@ -29,15 +26,6 @@ from megatron_longstraw.config.model import ModelConfig
 from megatron_longstraw.config.parallel import ParallelSizes
 from megatron_longstraw.config.training import TrainingConfig
 from megatron_longstraw.config.workload import WorkloadConfig
-from megatron_longstraw.distributed import destroy_distributed, device, init_distributed
-from megatron_longstraw.longstraw.capture import capture_prompt
-from megatron_longstraw.longstraw.full_graph import full_graph_responses
-from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support
-from megatron_longstraw.longstraw.replay import replay_responses
-from megatron_longstraw.models.builder import build_stage_model
-from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.testing.parity import exact_gradients
-from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-tensor cosines count tensors whose full-graph gradient norm is at least this "
                         "fraction of the largest tensor's (default: 0.001)")
     return p
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and a bad flag answer before torch and Megatron load
+
+import torch  # noqa: E402
+
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config  # noqa: E402
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
+from megatron_longstraw.longstraw.full_graph import full_graph_responses  # noqa: E402
+from megatron_longstraw.longstraw.prompt_backward import check_prompt_gradient_support  # noqa: E402
+from megatron_longstraw.longstraw.replay import replay_responses  # noqa: E402
+from megatron_longstraw.models.builder import build_stage_model  # noqa: E402
+from megatron_longstraw.models.options import ModelOptions  # noqa: E402
+from megatron_longstraw.testing.parity import exact_gradients  # noqa: E402
+from bench_output import bench_stem, command_line, write_bench_files  # noqa: E402 (tools/, beside this script)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

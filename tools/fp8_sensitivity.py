@@ -21,10 +21,6 @@ import argparse
 import sys
 import time
 
-import torch
-
-from megatron_longstraw.attention.sdpa_core import SDPACoreAttention
-from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
 from megatron_longstraw.config import cli
 from megatron_longstraw.config.benchmark import BenchOutputConfig
 from megatron_longstraw.config.grpo import GRPOConfig
@@ -32,24 +28,6 @@ from megatron_longstraw.config.longstraw import LongStrawConfig
 from megatron_longstraw.config.model import ModelConfig
 from megatron_longstraw.config.parallel import ParallelSizes
 from megatron_longstraw.config.workload import WorkloadConfig
-from megatron_longstraw.distributed import destroy_distributed, device, init_distributed
-from megatron_longstraw.longstraw.capture import capture_prompt
-from megatron_longstraw.models.builder import build_model
-from megatron_longstraw.models.options import ModelOptions
-from megatron_longstraw.rollout.generate import full_vocab_logits
-from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capture_attention
-from megatron_longstraw.testing.fp8_emulation import emulated_fp8_linears, switched_linears
-from megatron_longstraw.testing.parity import replay_gradients
-from bench_output import bench_stem, command_line, write_bench_files  # tools/, beside this script
-
-VARIANTS = {  # name: (recipe, passes); "bf16" rounds the same GEMM operands to bf16 instead
-    "fp8 tensorwise": ("tensorwise", "both"),
-    "fp8 delayed": ("delayed", "both"),
-    "fp8 tensorwise, forward only": ("tensorwise", "forward"),
-    "fp8 tensorwise, backward only": ("tensorwise", "backward"),
-    "bf16 GEMM operands": None,
-    "fp8 attention in capture": "attention",  # the capture's attention, emulated; GEMMs exact
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +39,33 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_flags(p, LongStrawConfig, only=("prompt_chunk_size",))
     cli.add_flags(p, BenchOutputConfig)
     return p
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and a bad flag answer before torch and Megatron load
+
+import torch  # noqa: E402
+
+from megatron_longstraw.attention.sdpa_core import SDPACoreAttention  # noqa: E402
+from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config  # noqa: E402
+from megatron_longstraw.distributed import destroy_distributed, device, init_distributed  # noqa: E402
+from megatron_longstraw.longstraw.capture import capture_prompt  # noqa: E402
+from megatron_longstraw.models.builder import build_model  # noqa: E402
+from megatron_longstraw.models.options import ModelOptions  # noqa: E402
+from megatron_longstraw.rollout.generate import full_vocab_logits  # noqa: E402
+from megatron_longstraw.testing.fp8_attention_emulation import emulated_fp8_capture_attention  # noqa: E402
+from megatron_longstraw.testing.fp8_emulation import emulated_fp8_linears, switched_linears  # noqa: E402
+from megatron_longstraw.testing.parity import replay_gradients  # noqa: E402
+from bench_output import bench_stem, command_line, write_bench_files  # noqa: E402 (tools/, beside this script)
+
+VARIANTS = {  # name: (recipe, passes); "bf16" rounds the same GEMM operands to bf16 instead
+    "fp8 tensorwise": ("tensorwise", "both"),
+    "fp8 delayed": ("delayed", "both"),
+    "fp8 tensorwise, forward only": ("tensorwise", "forward"),
+    "fp8 tensorwise, backward only": ("tensorwise", "backward"),
+    "bf16 GEMM operands": None,
+    "fp8 attention in capture": "attention",  # the capture's attention, emulated; GEMMs exact
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
