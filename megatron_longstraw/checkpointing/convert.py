@@ -11,8 +11,10 @@ TP/PP/EP it was saved with), converted alone with ``mcore_to_hf(checkpoint_layou
 streamed into safetensors shards of bounded size, with ``model.safetensors.index.json`` and
 ``config.json``.
 
-Both keep the tokenizer files and ``generation_config.json`` (``hf_assets.py``): hf-to-mcore
-stores the source folder's in the checkpoint, mcore-to-hf writes them beside the weights.
+Both keep the tokenizer files, ``generation_config.json`` and the HF tensors outside the Megatron
+model that the family keeps (``WeightMap.kept``: multi-token prediction) (``hf_assets.py``):
+hf-to-mcore stores them in the checkpoint (the tensors, unchanged, in ``kept_weights.safetensors``),
+mcore-to-hf writes them beside the weights (the tensors into the shards).
 
 Peak memory is about one group's HF tensors plus the Megatron tensors made from them (at most
 twice the largest tensor of either layout) plus a fixed overhead (Python, torch, the meta
@@ -32,6 +34,8 @@ from megatron_longstraw.checkpointing import dist_io
 from megatron_longstraw.checkpointing.atomic_output import atomic_output
 from megatron_longstraw.checkpointing.hf_assets import (
     ASSETS_DIR,
+    GENERATION_FILES,
+    KEPT_WEIGHTS,
     TOKENIZER_FILES,
     checkpoint_assets,
     copy_assets,
@@ -46,7 +50,7 @@ from megatron_longstraw.checkpointing.model_checkpoint import (
     resolve_checkpoint_dir,
     write_hf_config,
 )
-from megatron_longstraw.checkpointing.safetensors_io import SafetensorsWriter
+from megatron_longstraw.checkpointing.safetensors_io import SafetensorsWriter, read_header, read_tensor
 from megatron_longstraw.models.registry import family_for
 
 
@@ -91,17 +95,22 @@ def _convert_meta(fn, tensors: dict, describe: str, **kwargs) -> dict:
                          f"({str(err).splitlines()[0]})") from None
 
 
-def plan_hf_groups(source: HFFolder, hf: dict, layout, family) -> tuple[list, list]:
-    """``([(hf names, {weight: dtype})], dropped names)``: every layout weight from exactly
-    one group, checked on meta tensors; ``ValueError`` naming the tensor otherwise."""
+def plan_hf_groups(source: HFFolder, hf: dict, layout, family) -> tuple[list, list, list]:
+    """``([(hf names, {weight: dtype})], dropped names, kept names)``: every layout weight from
+    exactly one group, checked on meta tensors; ``ValueError`` naming the tensor otherwise. The
+    kept tensors (``WeightMap.kept``) are checked against the config's count of their layers."""
     groups: dict[str, list[str]] = {}
-    dropped = []
+    dropped, kept = [], []
     for name in source.names():
         group = family.weights.hf_group(name, hf)
         if group is None:
-            dropped.append(name)
+            (kept if family.weights.keeps(name, hf) else dropped).append(name)
         else:
             groups.setdefault(group, []).append(name)
+    try:
+        family.weights.check_kept(kept, hf)
+    except ValueError as err:
+        raise ValueError(f"{source.folder}: {err}") from None
     plan, produced = [], {}
     for names in groups.values():
         meta = {n: source.meta(n) for n in names}
@@ -122,7 +131,7 @@ def plan_hf_groups(source: HFFolder, hf: dict, layout, family) -> tuple[list, li
             wanted = family.weights.mcore_to_hf({weight: torch.empty(shape, device="meta")}, hf,
                                         checkpoint_layout=True)
             raise ValueError(f"missing HF tensor {sorted(wanted)[0]!r} (for Megatron {weight!r})")
-    return plan, dropped
+    return plan, dropped, kept
 
 
 def hf_to_mcore_checkpoint(load: str | Path, save: str | Path, *, overwrite: bool = False,
@@ -134,10 +143,13 @@ def hf_to_mcore_checkpoint(load: str | Path, save: str | Path, *, overwrite: boo
     hf = family.normalize_hf_config(hf)
     with _single_process():
         layout = model_layout(hf)
-        plan, dropped = plan_hf_groups(source, hf, layout, family)
+        plan, dropped, kept = plan_hf_groups(source, hf, layout, family)
         if dropped:
             _log(f"dropping {len(dropped)} HF tensors that are not part of the Megatron model "
-                 f"(MTP / vision), e.g. {dropped[0]!r}")
+                 f"(e.g. a vision tower), e.g. {dropped[0]!r}")
+        if kept:
+            _log(f"keeping {len(kept)} HF tensors outside the Megatron model (multi-token prediction) "
+                 f"unchanged for the export, e.g. {kept[0]!r}")
         by_param = layout.chunks_by_param()
         items, lookup, owner = [], {}, {}
         for index, (names, dtypes) in enumerate(plan):
@@ -189,9 +201,25 @@ def hf_to_mcore_checkpoint(load: str | Path, save: str | Path, *, overwrite: boo
         with atomic_output(save, overwrite) as folder:
             dist_io.write_dist_checkpoint(folder, items, resolve)
             write_hf_config(folder, source.config)
-            kept = copy_assets(find_assets(load), folder / ASSETS_DIR)  # tokenizer, generation config
+            assets = copy_assets(find_assets(load, TOKENIZER_FILES + GENERATION_FILES), folder / ASSETS_DIR)
+            if kept:
+                write_kept_weights(source, kept, folder / ASSETS_DIR / KEPT_WEIGHTS)
         bar.close()
-    return dict(groups=len(plan), chunks=len(items), dropped=len(dropped), bytes=total, assets=len(kept))
+    return dict(groups=len(plan), chunks=len(items), dropped=len(dropped), kept=len(kept), bytes=total,
+                assets=len(assets))
+
+
+def write_kept_weights(source: HFFolder, names: list[str], path: Path) -> None:
+    """The HF tensors ``names`` of ``source``, unchanged, into the safetensors file ``path``, one
+    tensor in memory at a time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = SafetensorsWriter(path, [(n, source.meta(n).dtype, tuple(source.meta(n).shape)) for n in names])
+    try:
+        for name in names:
+            writer.add(name, source.read(name))
+        writer.close()
+    finally:
+        writer.file.close()
 
 
 def _hf_output_config(hf: dict) -> dict:
@@ -215,6 +243,8 @@ def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | N
 
     folder = resolve_checkpoint_dir(load)
     assets = override_assets(checkpoint_assets(folder), tokenizer_assets(tokenizer_model))
+    kept_file = assets.pop(KEPT_WEIGHTS, None)  # its tensors go into the shards
+    kept = read_header(Path(kept_file)) if kept_file else {}
     if not any(name in assets for name in TOKENIZER_FILES):
         _log(f"--load {folder}: the checkpoint keeps no tokenizer files: the exported folder has none "
              "(pass --tokenizer-model FOLDER for a folder that serves)")
@@ -247,23 +277,26 @@ def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | N
             outputs[weight] = [(n, t.dtype, tuple(t.shape)) for n, t in meta.items()]
         sizes = {w: _nbytes(torch.empty(s, dtype=dtypes[w], device="meta"))
                  for w, s in layout.params.items()}
-        shards, current, current_bytes = [], [], 0
-        for weight in layout.params:
-            if current and current_bytes + sizes[weight] > max_shard_bytes:
+        # shards of at most max_shard_bytes: the model's weights (converted), then the kept tensors
+        shards, current, current_bytes = [], ([], []), 0
+        units = [(0, w, sizes[w]) for w in layout.params] + [(1, n, e.nbytes) for n, e in kept.items()]
+        for kind, key, size in units:
+            if (current[0] or current[1]) and current_bytes + size > max_shard_bytes:
                 shards.append(current)
-                current, current_bytes = [], 0
-            current.append(weight)
-            current_bytes += sizes[weight]
+                current, current_bytes = ([], []), 0
+            current[kind].append(key)
+            current_bytes += size
         shards.append(current)
         budget = max(sizes.values())
-        bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, disable=not progress,
-                   desc="mcore-to-hf", file=sys.stderr)
+        total = sum(sizes.values()) + sum(e.nbytes for e in kept.values())
+        bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="mcore-to-hf", file=sys.stderr)
         weight_map, count = {}, 0
         with atomic_output(save, overwrite) as out:
-            for number, weights in enumerate(shards, start=1):
+            for number, (weights, kept_names) in enumerate(shards, start=1):
                 file = SINGLE_NAME if len(shards) == 1 else \
                     f"model-{number:05d}-of-{len(shards):05d}.safetensors"
                 specs = [spec for w in weights for spec in outputs[w]]
+                specs += [(n, kept[n].dtype, kept[n].shape) for n in kept_names]
                 writer = SafetensorsWriter(out / file, specs)
                 try:
                     start = 0
@@ -289,14 +322,18 @@ def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | N
                             bar.update(sizes[w])
                             bar.set_postfix(tensors=count, refresh=False)
                         start = end
+                    for name in kept_names:  # unchanged, one at a time
+                        writer.add(name, read_tensor(kept[name]))
+                        weight_map[name] = file
+                        count += 1
+                        bar.update(kept[name].nbytes)
                     writer.close()
                 finally:
                     writer.file.close()
             if len(shards) > 1:
-                total = sum(sizes.values())
                 (out / INDEX_NAME).write_text(json.dumps(
                     {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
             (out / "config.json").write_text(json.dumps(_hf_output_config(hf), indent=2) + "\n")
             copy_assets(assets, out)
         bar.close()
-    return dict(tensors=count, shards=len(shards), bytes=sum(sizes.values()), assets=len(assets))
+    return dict(tensors=count, shards=len(shards), bytes=total, kept=len(kept), assets=len(assets))

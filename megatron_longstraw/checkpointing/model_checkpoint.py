@@ -17,6 +17,7 @@ from megatron_longstraw.checkpointing import dist_io
 from megatron_longstraw.config.model import DEFAULT_MODEL, ModelConfig
 from megatron_longstraw.models.hf_config import read_config_json
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
+from megatron_longstraw.models.registry import family_for
 
 HF_CONFIG_NAME = "hf_config.json"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -70,8 +71,15 @@ def resolve_model_config(spec: str, flag: str = "--model") -> dict:
 def model_hf_config(model: ModelConfig, source: str | None = None, flag: str | None = None) -> dict:
     """The HF config of a command's ``model`` group: ``source`` (the trainer's model source),
     else ``--hf-config`` / ``--model``, else the default preset (``resolve_model_config``), with
-    ``--num-layers`` and ``--max-position-embeddings`` applied."""
-    hf = resolve_model_config(source or model.spec or DEFAULT_MODEL, flag=flag or model.spec_flag)
+    ``--num-layers`` and ``--max-position-embeddings`` applied, as its family reads it
+    (``normalize_hf_config``: e.g. a multimodal config's text model)."""
+    flag = flag or model.spec_flag
+    hf = resolve_model_config(source or model.spec or DEFAULT_MODEL, flag=flag)
+    try:
+        family = family_for(hf.get("model_type"))
+    except ValueError as err:
+        raise ValueError(f"{flag} {source or model.spec}: {err}") from None
+    hf = family.normalize_hf_config(hf)
     if model.num_layers is not None:
         hf = with_num_layers(hf, model.num_layers)
     if model.max_position_embeddings:

@@ -12,8 +12,10 @@ converter, the loaders and the tests use:
 A rule joins its HF tensors into the Megatron one (``join``, by default stacked rows) and splits
 it back (``split``, by default equal row blocks). A rule whose HF tensor holds every expert of a
 layer stacked (transformers' module layout, ``hf_stacked``) maps one HF tensor onto one Megatron
-tensor per expert. HF tensors outside the Megatron model (a vision tower, multi-token prediction
-layers) are ``dropped``, and a tied output layer is the embedding.
+tensor per expert. HF tensors outside the Megatron model are ``dropped`` (a vision tower) or
+``kept`` (multi-token-prediction layers, which a converted checkpoint keeps unchanged beside the
+Megatron weights and an export writes back: ``checkpointing/hf_assets.py``); ``hf_to_mcore`` leaves
+out both. A tied output layer is the embedding.
 """
 
 import re
@@ -100,6 +102,13 @@ class WeightMap:
     checkpoint's text model) are read as the canonical ones, the names the rules use."""
     dropped: Callable[[str, dict], bool] = lambda name, hf: False
     """``(canonical HF name, hf config) -> bool``: HF tensors outside the Megatron model."""
+    kept: Callable[[str, dict], bool] = lambda name, hf: False
+    """``(canonical HF name, hf config) -> bool``: HF tensors outside the Megatron model that a
+    converted checkpoint keeps and an export writes back (multi-token prediction)."""
+    kept_layer: Callable[[str, dict], Optional[int]] = lambda name, hf: None
+    """The multi-token-prediction layer a kept tensor belongs to (``None``: none)."""
+    kept_layers_field: Optional[str] = None
+    """The config field that counts those layers (``check_kept``)."""
     drop_warning: Optional[str] = None
     """Warn when ``hf_to_mcore`` (not ``partial``) drops tensors: ``{count}`` and the hf config's
     fields may be named in it."""
@@ -153,7 +162,7 @@ class WeightMap:
         group at a time."""
         hf = self.normalize(hf)
         canonical = self.canonical(name)
-        if self.dropped(canonical, hf):
+        if self.dropped(canonical, hf) or self.kept(canonical, hf):
             return None
         try:
             found = self._match_hf(canonical, hf)
@@ -181,7 +190,7 @@ class WeightMap:
             canonical = self.canonical(name)
             if self._tied(canonical, hf):
                 continue
-            if self.dropped(canonical, hf):
+            if self.dropped(canonical, hf) or self.kept(canonical, hf):
                 dropped.append(name)
                 continue
             found = self._match_hf(canonical, hf)
@@ -207,6 +216,22 @@ class WeightMap:
             if dropped and self.drop_warning:
                 warnings.warn(self.drop_warning.format(count=len(dropped), **hf))
         return out
+
+    def keeps(self, name: str, hf: dict) -> bool:
+        """HF tensor ``name`` is one a converted checkpoint keeps for the export (``kept``)."""
+        return self.kept(self.canonical(name), self.normalize(hf))
+
+    def check_kept(self, names: list[str], hf: dict) -> None:
+        """``ValueError`` when the kept tensors' multi-token-prediction layers are not as many as
+        the config's ``kept_layers_field`` says (none kept: nothing to check)."""
+        if not names or self.kept_layers_field is None:
+            return
+        hf = self.normalize(hf)
+        layers = sorted({self.kept_layer(self.canonical(n), hf) for n in names} - {None})
+        wanted = hf.get(self.kept_layers_field)
+        if wanted is None or len(layers) != wanted:
+            raise ValueError(f"the weights hold {len(layers)} multi-token-prediction layer(s) (e.g. {sorted(names)[0]!r}), "
+                             f"the config's {self.kept_layers_field} is {wanted}")
 
     def _check_required(self, hf_state: dict, hf: dict) -> None:
         """``ValueError`` naming the first HF tensor a ``required`` rule lacks."""

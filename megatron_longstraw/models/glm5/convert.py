@@ -6,7 +6,8 @@ layout) or one tensor per expert (``mlp.experts.{e}.gate_proj.weight``, the layo
 checkpoint files); the Megatron weights name every expert by its global number
 (``local_experts.{e}``, ``models/builder.py``'s ``load_full_state_dict`` keeps an EP rank's own).
 The multi-token-prediction layer (``model.layers.{num_hidden_layers}.*``), which HF's model
-ignores too, is dropped with a warning.
+ignores too, is kept: a converted checkpoint holds it unchanged and its export writes it back
+(``checkpointing/hf_assets.py``), ``num_nextn_predict_layers`` of them.
 """
 
 import re
@@ -35,10 +36,10 @@ def _sparse(hf: dict, fields: dict) -> bool:
     return hf["mlp_layer_types"][fields["layer"]] == "sparse"
 
 
-def _mtp(name: str, hf: dict) -> bool:
-    """A tensor of the multi-token-prediction layer(s): layers from ``num_hidden_layers`` on."""
+def _mtp_layer(name: str, hf: dict) -> int | None:
+    """The multi-token-prediction layer of a tensor of a layer from ``num_hidden_layers`` on."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
-    return match is not None and int(match.group(1)) >= hf["num_hidden_layers"]
+    return int(match.group(1)) if match is not None and int(match.group(1)) >= hf["num_hidden_layers"] else None
 
 
 _HF_LAYER, _LAYER = "model.layers.{layer}.", "decoder.layers.{layer}."
@@ -82,9 +83,12 @@ WEIGHTS = WeightMap(
         WeightRule(_EXPERTS + "linear_fc1.weight", (_EXPERTS_HF + "gate_up_proj",), layout="module", hf_stacked=True),
         WeightRule(_EXPERTS + "linear_fc2.weight", (_EXPERTS_HF + "down_proj",), layout="module", hf_stacked=True),
     ),
-    dropped=_mtp,
-    drop_warning="GLM-5: dropping {count} MTP weights (model.layers.{num_hidden_layers}.*); multi-token "
-                 "prediction is not part of the Megatron model",
+    kept=lambda name, hf: _mtp_layer(name, hf) is not None,
+    kept_layer=_mtp_layer,
+    kept_layers_field="num_nextn_predict_layers",
+    drop_warning="GLM-5: leaving out {count} MTP weights (model.layers.{num_hidden_layers}.*); multi-token "
+                 "prediction is not part of the Megatron model (tools/convert_checkpoint.py keeps them for "
+                 "the export)",
     normalize=normalize_hf_config,
 )
 """GLM-5's weight table."""

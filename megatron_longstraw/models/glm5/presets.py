@@ -25,6 +25,7 @@ _COMMON = dict(
     max_position_embeddings=202_752,
     rope_parameters=dict(rope_type="default", rope_theta=1_000_000),
     tie_word_embeddings=False,
+    num_nextn_predict_layers=1,  # the MTP layer, kept by conversion (models/glm5/convert.py)
 )
 
 

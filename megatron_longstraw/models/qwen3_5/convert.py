@@ -8,8 +8,12 @@ Weight layout differences the table handles:
 - MLP ``gate_proj``/``up_proj`` concatenate into ``linear_fc1``.
 
 A multimodal checkpoint (``model.language_model.*``) is read as the text model; its vision tower
-and multi-token-prediction heads (``model.visual.*``, ``model.mtp.*``) are dropped.
+(``model.visual.*``) is dropped. The multi-token-prediction layers (``mtp.*``, which transformers
+ignores too) are kept: a converted checkpoint holds them unchanged and its export writes them back
+(``checkpointing/hf_assets.py``), ``mtp_num_hidden_layers`` of them.
 """
+
+import re
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -75,6 +79,12 @@ def _layer_type(kind: str):
     return lambda hf, fields: hf["layer_types"][fields["layer"]] == kind
 
 
+def _mtp_layer(name: str) -> int | None:
+    """The multi-token-prediction layer of an ``mtp.layers.{i}.*`` tensor."""
+    match = re.match(r"(?:model\.)?mtp\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
 _HF_LAYER, _LAYER = "model.layers.{layer}.", "decoder.layers.{layer}."
 
 WEIGHTS = WeightMap(
@@ -102,7 +112,10 @@ WEIGHTS = WeightMap(
                    split=rows_of(_in_proj_rows), applies=_layer_type("linear_attention")),
     ),
     hf_prefixes=(("model.language_model.", "model."),),
-    dropped=lambda name, hf: name.startswith(("model.visual.", "model.mtp.")),
+    dropped=lambda name, hf: name.startswith("model.visual."),
+    kept=lambda name, hf: name.startswith(("mtp.", "model.mtp.")),
+    kept_layer=lambda name, hf: _mtp_layer(name),
+    kept_layers_field="mtp_num_hidden_layers",
     normalize=normalize_hf_config,
 )
 """Qwen3.5's weight table; HF names under ``model.`` (or ``model.language_model.``)."""

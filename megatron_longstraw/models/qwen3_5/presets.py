@@ -13,6 +13,7 @@ _COMMON = dict(
     attention_bias=False,
     vocab_size=248_320,
     max_position_embeddings=262_144,
+    mtp_num_hidden_layers=1,  # the MTP layer, kept by conversion (models/qwen3_5/convert.py)
 )
 
 
