@@ -38,7 +38,7 @@ from megatron_longstraw.config.workload import WorkloadConfig
 def build_parser() -> argparse.ArgumentParser:
     """The tool's flags: the shared ones from the configuration (``config/``), its own below."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_flags(p, ModelConfig, only=("model", "max_position_embeddings"))
+    cli.add_flags(p, ModelConfig, only=("model", "max_position_embeddings", "yarn_factor"))
     cli.add_flags(p, WorkloadConfig, only=("prompt_lengths", "group_sizes"), about="G: samples decoded together")
     cli.add_flags(p, RolloutConfig, only=("temperature", "decode_cuda_graphs"))
     cli.add_flags(p, LongStrawConfig, only=("prompt_chunk_size",))

@@ -18,6 +18,7 @@ from megatron_longstraw.config.model import DEFAULT_MODEL, ModelConfig
 from megatron_longstraw.models.hf_config import read_config_json
 from megatron_longstraw.models.presets import resolve_hf_config, with_num_layers
 from megatron_longstraw.models.registry import family_for
+from megatron_longstraw.models.rope import with_yarn
 
 HF_CONFIG_NAME = "hf_config.json"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -71,7 +72,7 @@ def resolve_model_config(spec: str, flag: str = "--model") -> dict:
 def model_hf_config(model: ModelConfig, source: str | None = None, flag: str | None = None) -> dict:
     """The HF config of a command's ``model`` group: ``source`` (the trainer's model source),
     else ``--hf-config`` / ``--model``, else the default preset (``resolve_model_config``), with
-    ``--num-layers`` and ``--max-position-embeddings`` applied, as its family reads it
+    ``--num-layers``, ``--yarn-factor`` and ``--max-position-embeddings`` applied, as its family reads it
     (``normalize_hf_config``: e.g. a multimodal config's text model)."""
     flag = flag or model.spec_flag
     hf = resolve_model_config(source or model.spec or DEFAULT_MODEL, flag=flag)
@@ -82,6 +83,8 @@ def model_hf_config(model: ModelConfig, source: str | None = None, flag: str | N
     hf = family.normalize_hf_config(hf)
     if model.num_layers is not None:
         hf = with_num_layers(hf, model.num_layers)
+    if model.yarn_factor is not None:
+        hf = with_yarn(hf, model.yarn_factor)
     if model.max_position_embeddings:
         hf["max_position_embeddings"] = model.max_position_embeddings
     return hf

@@ -82,7 +82,7 @@ class BenchmarkConfig(ConfigNode):
     """``tools/bench_longstraw.py``: LongStraw against the full graph, time and memory per point."""
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata={
-        "flags": ("model", "num_layers", "max_position_embeddings", "transformer_impl")})
+        "flags": ("model", "num_layers", "max_position_embeddings", "yarn_factor", "transformer_impl")})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={
         "flags": ("context_parallel_size", "pipeline_model_parallel_size", "num_virtual_stages_per_pipeline_rank"),
         "about": "launch with torchrun --nproc-per-node N for N > 1; LongStraw mode only"})

@@ -38,7 +38,14 @@ class ModelConfig(ConfigNode):
     to fewer GPUs (default: all of them)."""
 
     max_position_embeddings: Optional[int] = None
-    """Override the model's position budget (RoPE extrapolation; default: the model's)."""
+    """Override the model's position budget (RoPE extrapolation; default: the model's, times
+    --yarn-factor when given)."""
+
+    yarn_factor: Optional[float] = None
+    """YaRN over the model's native positions by this factor: rope_type yarn with
+    original_max_position_embeddings the config's max_position_embeddings, which grows by the
+    factor. The Qwen3.5/3.6 model cards reach ~1M positions with 4 (default: the config's own
+    RoPE; a config that already has YaRN of this factor is kept as is)."""
 
     transformer_impl: TransformerImpl = "local"
     """Megatron's layers: local (plain torch) or transformer_engine (needs Transformer Engine;
@@ -53,6 +60,8 @@ class ModelConfig(ConfigNode):
                             ("--max-position-embeddings", self.max_position_embeddings)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.yarn_factor is not None and not self.yarn_factor > 1:
+            raise ValueError(f"--yarn-factor must be > 1, got {self.yarn_factor}")
 
     @property
     def spec(self) -> Optional[str]:

@@ -12,6 +12,7 @@ from megatron_longstraw.attention.kernel_options import set_kernel_options
 from megatron_longstraw.models.options import ModelOptions, backend_provider
 from megatron_longstraw.models.pipeline_stage import StageChunks, chunk_layer_ids
 from megatron_longstraw.models.registry import family_for
+from megatron_longstraw.models.rope import scale_rope
 
 
 def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
@@ -53,6 +54,7 @@ def build_model(hf: dict, options: ModelOptions = ModelOptions(), *,
         **family.gpt_model_kwargs(hf),
     )
     model.hf_config = hf
+    scale_rope(model, hf)  # YaRN's frequencies and cos/sin factor
     set_kernel_options(model, options.kernel_options)
     if options.fp8_attention == "capture":
         enable_fp8_capture_attention(model)

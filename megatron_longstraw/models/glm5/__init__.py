@@ -42,7 +42,10 @@ for the first ``first_k_dense_replace`` layers (HF ``mlp_layer_types == "dense"`
   when training runs ``finalize_model_grads``; Megatron only counts tokens for it with grad
   enabled, so LongStraw capture (no grad) neither counts prompt tokens nor changes the bias;
   replay counts response tokens (padding of a micro-batch included; the full-graph baseline also
-  counts the prompt once per response); RoPE: ``rope_type`` ``default`` only (YaRN refused).
+  counts the prompt once per response).
+- RoPE: ``default`` or ``yarn``; YaRN is Megatron's ``YarnRotaryEmbedding`` in MLA and the
+  indexer, its ``mscale`` solved so that cos/sin and the softmax scale are transformers'
+  (``models/rope.py``'s ``mla_yarn_kwargs``).
 - ``--prompt-gradient exact`` (MoE): the reverse sweep's recomputed prompt chunk routes every
   token as the full graph does (routing is per token, no capacity or token dropping, the same
   ``expert_bias``: it only changes at the optimizer step), so gradients are exact. What differs

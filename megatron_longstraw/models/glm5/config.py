@@ -8,6 +8,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_longstraw.models.hf_config import get, require, rope_parameters
 from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.rope import check_rope_type, mla_yarn_kwargs
 
 MODEL_TYPES = ("glm_moe_dsa",)
 NAME = "GLM-5"
@@ -79,7 +80,7 @@ def _check_divisible(value: int, what: str, size: int, flag: str) -> None:
 
 def _rope_kwargs(hf: dict) -> dict:
     rope = rope_parameters(hf)
-    rope_type = rope.get("rope_type", "default")
+    rope_type = check_rope_type(hf, NAME)
     theta = get(rope, "rope_theta", 10_000.0)
     if get(rope, "partial_rotary_factor", 1.0) != 1.0:
         _fail(hf, "partial_rotary_factor != 1 is not supported for GLM-5 (RoPE covers qk_rope_head_dim)")
@@ -87,7 +88,7 @@ def _rope_kwargs(hf: dict) -> dict:
         # rotary_scaling_factor / mscale_all_dim make Megatron's softmax mscale exactly 1.0
         return dict(rope_type="rope", rotary_base=theta, rotary_percent=1.0,
                     rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
-    _fail(hf, f"rope_type {rope_type!r} is not supported for GLM-5 (only 'default')")
+    return mla_yarn_kwargs(hf)  # Megatron's YarnRotaryEmbedding in MLA and the indexer
 
 
 def _routing_kwargs(hf: dict) -> dict:

@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longstraw.models.hf_config import get, require, rope_parameters
 from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.rope import check_rope_type
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 NAME = "Qwen3.5"
@@ -92,11 +93,9 @@ def transformer_config(hf: dict, options: ModelOptions) -> TransformerConfig:
 
 
 def gpt_model_kwargs(hf: dict) -> dict:
-    """Vocabulary, RoPE and tying settings for ``GPTModel``."""
+    """Vocabulary, RoPE (``default`` or ``yarn``) and tying settings for ``GPTModel``."""
     rope = rope_parameters(hf)
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"{hf.get('_source', 'config')}: rope_type {rope['rope_type']!r} "
-                         "is not supported for Qwen3.5 (only 'default')")
+    check_rope_type(hf, "Qwen3.5")  # YaRN: its frequencies and factor go in after the build (models/rope.py)
     return dict(
         vocab_size=hf["vocab_size"],
         max_sequence_length=get(hf, "max_position_embeddings", 262_144),
