@@ -45,7 +45,8 @@ def clean_registry():
     yield
     for model_type in sorted(set(supported_model_types()) - set(builtin_model_types())):
         unregister_family(family_for(model_type))
-    assert supported_model_types() == builtin_model_types() == ["glm_moe_dsa", "qwen3_5", "qwen3_5_text"]
+    assert supported_model_types() == builtin_model_types() == ["glm_moe_dsa", "qwen3_5", "qwen3_5_moe",
+                                                                   "qwen3_5_moe_text", "qwen3_5_text"]
 
 
 def test_family_from_a_file_outside_the_package_builds_and_matches_hf(tmp_path, single_process, clean_registry):

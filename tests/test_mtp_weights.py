@@ -40,14 +40,15 @@ def _mtp(hidden: int, prefix: str, generator: torch.Generator) -> dict[str, torc
                 rand(hidden, 3 * hidden)}
 
 
-def qwen_folder(folder: Path, layers: int = 1) -> tuple[Path, dict]:
+def qwen_folder(folder: Path, layers: int = 1, preset: str = "qwen3.5-debug", wrapper: str = "qwen3_5",
+                architecture: str = "Qwen3_5ForConditionalGeneration") -> tuple[Path, dict]:
     """A ``Qwen3_5ForConditionalGeneration``-style folder: text model under
     ``model.language_model.``, a vision tensor, ``mtp.*`` tensors; ``mtp_num_hidden_layers: layers``."""
-    hf = dict(copy.deepcopy(all_presets()["qwen3.5-debug"]), tie_word_embeddings=False)
+    hf = dict(copy.deepcopy(all_presets()[preset]), tie_word_embeddings=False)
     build_hf_model(hf, seed=4).save_pretrained(folder / "text")
     config = json.loads((folder / "text" / "config.json").read_text())
     text_config = {k: v for k, v in config.items() if k not in ("architectures", "tie_word_embeddings")}
-    wrapped = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+    wrapped = {"model_type": wrapper, "architectures": [architecture],
                "tie_word_embeddings": False, "vision_config": {"depth": 1},
                "text_config": dict(text_config, mtp_num_hidden_layers=layers)}
     (folder / "hf").mkdir()
@@ -75,7 +76,12 @@ def glm_folder(folder: Path, layers: int = 1) -> tuple[Path, dict]:
     return folder / "hf", mtp
 
 
-FOLDERS = {"qwen": qwen_folder, "glm": glm_folder}
+def qwen_moe_folder(folder: Path, layers: int = 1) -> tuple[Path, dict]:
+    """The same for ``Qwen3_5MoeForConditionalGeneration`` (``qwen3_5_moe``)."""
+    return qwen_folder(folder, layers, "qwen3.5-moe-debug", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")
+
+
+FOLDERS = {"qwen": qwen_folder, "glm": glm_folder, "qwen-moe": qwen_moe_folder}
 
 
 @pytest.mark.parametrize("family", sorted(FOLDERS))
@@ -100,8 +106,8 @@ def test_mtp_tensors_survive_conversion_training_and_export(family, tmp_path):
         assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(mtp) <= set(index) and set(index) == set(out)
-    trained = [n for n in out if n not in mtp and not torch.equal(out[n], before.get(n, before.get(
-        n.replace("model.", "model.language_model.", 1))))]
+    before = {n.replace("model.language_model.", "model.", 1): t for n, t in before.items()}
+    trained = [n for n in out if n not in mtp and n in before and not torch.equal(out[n], before[n])]
     assert trained, "the export holds the trained weights"
     config_out = json.loads((tmp_path / "out" / "config.json").read_text())
     model_cls, _ = hf_model_class(config_out["model_type"])
@@ -112,7 +118,8 @@ def test_mtp_tensors_survive_conversion_training_and_export(family, tmp_path):
 @pytest.mark.parametrize("family", sorted(FOLDERS))
 def test_mtp_layer_count_that_disagrees_with_the_config_is_one_line(family, tmp_path, capsys):
     source, _ = FOLDERS[family](tmp_path, layers=2)
-    field = {"qwen": "mtp_num_hidden_layers", "glm": "num_nextn_predict_layers"}[family]
+    field = {"qwen": "mtp_num_hidden_layers", "qwen-moe": "mtp_num_hidden_layers",
+             "glm": "num_nextn_predict_layers"}[family]
     assert convert_checkpoint.main(["hf-to-mcore", "--load", str(source), "--save", str(tmp_path / "mcore"),
                                     "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]

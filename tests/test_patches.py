@@ -246,6 +246,30 @@ def test_moe_router_probabilities_keep_fp64_and_are_unchanged_below():
     assert all(torch.equal(a, b) for a, b in zip(again, below))
 
 
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_moe_softmax_router_probabilities_keep_fp64(pre_softmax):
+    """fp64 softmax routing (Qwen3.5-MoE's): the selected experts' probabilities in fp64, Megatron's
+    selection; Megatron's own went through fp32."""
+    from megatron.core.transformer.moe import router
+
+    patches.apply_patches()
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    options = dict(topk=3, score_function="softmax", use_pre_softmax=pre_softmax)
+    probs, routing_map = router.topk_routing_with_score_function(logits, **options)
+    dense, top = router.topk_routing_with_score_function(logits, dense_output=True, **options)
+    full = torch.softmax(logits, -1)
+    chosen = torch.where(routing_map, full, 0.0)
+    expected = chosen if pre_softmax else chosen / chosen.sum(-1, keepdim=True)
+    assert probs.dtype == torch.float64 and (probs - expected).abs().max() <= 1e-15
+    assert (dense - expected.gather(1, top)).abs().max() <= 1e-15
+    patches._module("moe_router_precision").revert()
+    try:
+        original, original_map = router.topk_routing_with_score_function(logits, **options)
+    finally:
+        patches._module("moe_router_precision").apply()
+    assert torch.equal(original_map, routing_map) and (original - probs).abs().max() > 1e-12
+
+
 def test_vocab_parallel_cross_entropy_keeps_fp64_and_is_unchanged_below(single_process):
     """fp64 logits' cross entropy and its gradient in fp64 (Megatron's went through fp32); below
     fp64 Megatron's own computation runs."""

@@ -23,6 +23,7 @@ def _hfs() -> dict:
     glm = resolve_hf_config("glm-5-debug")
     glm["indexer_types"] = ["full"] * glm["num_hidden_layers"]
     return {"qwen3.5-debug": resolve_hf_config("qwen3.5-debug"), "glm-5-debug-full": glm,
+            "qwen3.5-moe-debug": resolve_hf_config("qwen3.5-moe-debug"),
             "qwen3.5-debug-tied": {**resolve_hf_config("qwen3.5-debug"), "tie_word_embeddings": True}}
 
 

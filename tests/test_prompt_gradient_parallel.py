@@ -2,7 +2,8 @@
 a process-group setup per layout) against one rank's full backprop through prompt + responses
 with nothing detached (fp64), per parameter.
 
-- TP=2: Qwen3.5 without and with sequence parallelism, GLM-5 with it (absorbed MLA needs it).
+- TP=2: Qwen3.5 without and with sequence parallelism, GLM-5 and Qwen3.5-MoE with it (absorbed
+  MLA and Megatron's MoE need it).
   Exact mode (exact capture and replay, then the reverse sweep) and the full graph
   (``full_graph_responses(..., exact=True)``), after Megatron's TP reductions, against this
   rank's shard of one rank's gradients (``parity.tp_grad_errors``).
@@ -26,8 +27,9 @@ from megatron_longstraw.testing.parity import (exact_gradients, max_rel_error, r
                                               seeded_model, weighted_response_loss)
 
 CHUNK = 7
-PRESETS = ("qwen3.5-debug", "glm-5-debug")
-TP_CASES = [("qwen3.5-debug", False), ("qwen3.5-debug", True), ("glm-5-debug", True)]  # (preset, SP)
+PRESETS = ("qwen3.5-debug", "glm-5-debug", "qwen3.5-moe-debug")
+TP_CASES = [("qwen3.5-debug", False), ("qwen3.5-debug", True), ("glm-5-debug", True),
+            ("qwen3.5-moe-debug", True)]  # (preset, SP)
 MODES = ("exact", "full_graph")
 # per EP rank (the TP cases use the first): prompt tokens, response lengths, seed
 EP_INPUTS = ((23, (6, 1), 3), (12, (1, 9), 4))

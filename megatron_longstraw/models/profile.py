@@ -146,6 +146,19 @@ def swiglu_mlp_saved_bytes(hidden: int, ffn: int) -> int:
     return 2 * hidden + 2 * (2 * ffn) + 2 * ffn + 2 * ffn + 2 * ffn
 
 
+def routed_experts_saved_bytes(hidden: int, experts: int, topk: int, ffn: int) -> int:
+    """A ``MoELayer``'s router and routed experts per token (fp32 router, allgather dispatcher,
+    ``SequentialMLP`` experts with the probabilities applied in them); measured for GLM-5's
+    sigmoid router (``models/glm5/profile.py``); a softmax router keeps the same tensors."""
+    router = (4 * experts + 8 * topk + 4 + 4 * topk      # fp32 scores, int64 top-k, fp32 norm and weights
+              + experts + 4 * experts + 8 * topk)        # dispatcher: bool map, fp32 probs, int64 permutation
+    routed = topk * (2 * hidden                          # per routed copy: fc1 input (the permuted tokens)
+                     + 2 * (2 * ffn) + 2 * ffn + 2 * ffn  # the GLU as in the dense MLP
+                     + 2 * ffn + 4                       # the probs multiply: GLU output, fp32 prob
+                     + 2 * ffn)                          # fc2 input
+    return router + routed
+
+
 def replay_output_bytes(hidden: int) -> int:
     """After the last layer in replay: the final norm, the final hidden states that the logits'
     activation checkpoint keeps as its input (bf16), the loss's fp32 per-token factor (the

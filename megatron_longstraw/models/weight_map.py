@@ -116,6 +116,8 @@ class WeightMap:
     """``(HF output layer, HF embedding)``: under ``tie_word_embeddings`` the output layer is not
     a tensor of its own (read: ignored; written: the embedding, in transformers' module layout)."""
     num_layers_field: str = "num_hidden_layers"
+    num_experts_field: str = "n_routed_experts"
+    """The config field that counts a MoE layer's routed experts (stacked tensors hold them all)."""
     normalize: Callable[[dict], dict] = lambda hf: hf
     """The family's ``normalize_hf_config``: each conversion reads the config as given (e.g. a
     multimodal checkpoint's, its text model nested) through it."""
@@ -268,7 +270,7 @@ class WeightMap:
                 out[pattern.format(**fields)] = part
         for (rule_id, fields), by_expert in stacked.items():
             rule, fields = rules[rule_id], dict(fields)
-            experts = hf["n_routed_experts"]
+            experts = hf[self.num_experts_field]
             if sorted(by_expert) != list(range(experts)):
                 prefix = rule.mcore.split("{expert}")[0].format(**fields)
                 raise ValueError(f"{prefix}: expected experts 0..{experts - 1}, got {sorted(by_expert)[:8]}")

@@ -4,7 +4,8 @@ from megatron_longstraw.models.flops import active_linear_weight_elements, linea
 from megatron_longstraw.models.glm5.config import normalize_hf_config
 from megatron_longstraw.models.hf_config import get
 from megatron_longstraw.models.profile import (LayerProfile, ModelProfile, profile_name, replay_output_bytes,
-                                               rms_norm_saved_bytes, swiglu_mlp_saved_bytes)
+                                               rms_norm_saved_bytes, routed_experts_saved_bytes,
+                                               swiglu_mlp_saved_bytes)
 
 # ---- FLOPs (for MFU)
 
@@ -79,15 +80,10 @@ def _moe_saved_bytes(hf: dict) -> int:
     hidden, experts, topk = hf["hidden_size"], hf["n_routed_experts"], hf["num_experts_per_tok"]
     ffn, shared = hf["moe_intermediate_size"], get(hf, "n_shared_experts", 1)
     groups, group_topk = get(hf, "n_group", 1), get(hf, "topk_group", 1)
-    router = (4 * experts + 8 * topk + 4 + 4 * topk      # fp32 scores, int64 top-k, fp32 norm and weights
-              + experts + 4 * experts + 8 * topk)        # dispatcher: bool map, fp32 probs, int64 permutation
+    saved = routed_experts_saved_bytes(hidden, experts, topk, ffn)
     if group_topk < groups:                              # group-limited: per-group top-2, group top-k, mask
-        router += 8 * groups * (topk // group_topk) + 8 * group_topk + experts
-    routed = topk * (2 * hidden                          # per routed copy: fc1 input (the permuted tokens)
-                     + 2 * (2 * ffn) + 2 * ffn + 2 * ffn  # the GLU as in the dense MLP
-                     + 2 * ffn + 4                       # the probs multiply: GLU output, fp32 prob
-                     + 2 * ffn)                          # fc2 input
-    return router + routed + (swiglu_mlp_saved_bytes(hidden, ffn * shared) if shared else 0)
+        saved += 8 * groups * (topk // group_topk) + 8 * group_topk + experts
+    return saved + (swiglu_mlp_saved_bytes(hidden, ffn * shared) if shared else 0)
 
 
 def plan_profile(hf: dict) -> ModelProfile:

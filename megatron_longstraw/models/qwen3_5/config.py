@@ -18,33 +18,40 @@ from megatron_longstraw.models.rope import check_rope_type
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 NAME = "Qwen3.5"
 
-_REQUIRED = (
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+HYBRID_REQUIRED = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "linear_conv_kernel_dim",
     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
     "linear_num_value_heads", "layer_types",
 )
+"""The fields of the hybrid stack every Qwen3.5 config has (the MLP's come on top)."""
+_REQUIRED = HYBRID_REQUIRED + ("intermediate_size",)
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
 
-def normalize_hf_config(hf: dict) -> dict:
-    """Flatten a ``qwen3_5`` (multimodal) config to its ``text_config`` and validate it."""
-    if hf.get("model_type") == "qwen3_5":
+def flatten_hf_config(hf: dict, wrapper: str, text: str) -> dict:
+    """A multimodal ``wrapper`` config flattened to its ``text_config`` (``model_type`` ``text``);
+    any other config copied."""
+    if hf.get("model_type") == wrapper:
         if "text_config" not in hf:
             raise ValueError(f"{hf.get('_source', 'config')}: missing field 'text_config'")
-        text = dict(hf["text_config"])
-        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
-        text["model_type"] = "qwen3_5_text"
-        text["_source"] = hf.get("_source", "config")
-        hf = text
-    hf = dict(hf)
+        flat = dict(hf["text_config"])
+        flat.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+        flat["model_type"] = text
+        flat["_source"] = hf.get("_source", "config")
+        return flat
+    return dict(hf)
+
+
+def check_hybrid_layers(hf: dict, required: tuple[str, ...], family: str) -> dict:
+    """Fill ``layer_types`` as HF does (``full_attention_interval``) and validate the fields."""
     if hf.get("layer_types") is None and hf.get("num_hidden_layers"):
         interval = get(hf, "full_attention_interval", 4)
         hf["layer_types"] = [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention"
             for i in range(hf["num_hidden_layers"])
         ]
-    require(hf, _REQUIRED, NAME)
+    require(hf, required, family)
     bad = [t for t in hf["layer_types"] if t not in _LAYER_TYPES]
     if bad or len(hf["layer_types"]) != hf["num_hidden_layers"]:
         raise ValueError(
@@ -54,26 +61,32 @@ def normalize_hf_config(hf: dict) -> dict:
     return hf
 
 
+def normalize_hf_config(hf: dict) -> dict:
+    """Flatten a ``qwen3_5`` (multimodal) config to its ``text_config`` and validate it."""
+    return check_hybrid_layers(flatten_hf_config(hf, "qwen3_5", "qwen3_5_text"), _REQUIRED, NAME)
+
+
 def _check_divisible(value: int, what: str, tp: int) -> None:
     if value % tp:
         raise ValueError(f"{what} ({value}) is not divisible by --tensor-model-parallel-size {tp}")
 
 
-def transformer_config(hf: dict, options: ModelOptions) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` for a normalized Qwen3.5 config."""
+def hybrid_config_kwargs(hf: dict, options: ModelOptions, tp_fields: tuple[str, ...] = ()) -> dict:
+    """``TransformerConfig`` keywords of the hybrid stack (Gated DeltaNet and gated attention per
+    ``layer_types``, zero-centred norms) for a normalized config; ``tp_fields`` are more fields
+    TP must divide."""
     kwargs = options.config_kwargs()
     tp = kwargs["tensor_model_parallel_size"]
     for field in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads",
-                  "linear_num_value_heads", "intermediate_size", "vocab_size"):
+                  "linear_num_value_heads", "vocab_size") + tp_fields:
         _check_divisible(hf[field], field, tp)
     if hf["linear_num_value_heads"] % hf["linear_num_key_heads"]:
         raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     linear_pattern = [int(t == "linear_attention") for t in hf["layer_types"]]
-    return TransformerConfig(
+    return dict(
         **kwargs,
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
-        ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=hf["num_attention_heads"],
         num_query_groups=hf["num_key_value_heads"],
         kv_channels=hf["head_dim"],
@@ -90,6 +103,13 @@ def transformer_config(hf: dict, options: ModelOptions) -> TransformerConfig:
         linear_num_key_heads=hf["linear_num_key_heads"],
         linear_num_value_heads=hf["linear_num_value_heads"],
     )
+
+
+def transformer_config(hf: dict, options: ModelOptions) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` for a normalized Qwen3.5 config: the hybrid stack, a SwiGLU
+    MLP in every layer."""
+    return TransformerConfig(**hybrid_config_kwargs(hf, options, ("intermediate_size",)),
+                             ffn_hidden_size=hf["intermediate_size"])
 
 
 def gpt_model_kwargs(hf: dict) -> dict:

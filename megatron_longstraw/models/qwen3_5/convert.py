@@ -32,15 +32,20 @@ def hf_reference(model_type: str) -> tuple[str, str, str, str] | None:
     return None if model_type == "qwen3_5" else _HF_TEXT_MODEL
 
 
-def hf_output_config(hf: dict) -> dict:
+def text_output_config(hf: dict, wrapper: str, normalize, architecture: str) -> dict:
     """The ``config.json`` written next to converted weights: the text model's config
-    (``Qwen3_5ForCausalLM``) for a multimodal ``qwen3_5`` config, whose vision tower is not in
-    the Megatron checkpoint; any other config as given."""
-    if hf.get("model_type") == "qwen3_5":
-        config = {k: v for k, v in normalize_hf_config(hf).items() if not k.startswith("_")}
-        config["architectures"] = [_HF_TEXT_MODEL[1]]
+    (``architecture``) for a multimodal ``wrapper`` config, whose vision tower is not in the
+    Megatron checkpoint; any other config as given."""
+    if hf.get("model_type") == wrapper:
+        config = {k: v for k, v in normalize(hf).items() if not k.startswith("_")}
+        config["architectures"] = [architecture]
         return config
     return {k: v for k, v in hf.items() if not k.startswith("_")}
+
+
+def hf_output_config(hf: dict) -> dict:
+    """``text_output_config`` of Qwen3.5 (``Qwen3_5ForCausalLM``)."""
+    return text_output_config(hf, "qwen3_5", normalize_hf_config, _HF_TEXT_MODEL[1])
 
 
 # ---- weight table
@@ -87,42 +92,56 @@ def _mtp_layer(name: str) -> int | None:
 
 _HF_LAYER, _LAYER = "model.layers.{layer}.", "decoder.layers.{layer}."
 
-WEIGHTS = WeightMap(
-    rules=MODEL_RULES + layer_rules((
-        ("input_layernorm.weight", "input_layernorm.weight"),
-        ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
-        ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
-        ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
-        ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
-        ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
-        ("linear_attn.conv1d.weight", "self_attention.conv1d.weight"),
-        ("linear_attn.dt_bias", "self_attention.dt_bias"),
-        ("linear_attn.A_log", "self_attention.A_log"),
-        ("linear_attn.norm.weight", "self_attention.out_norm.weight"),
-        ("linear_attn.out_proj.weight", "self_attention.out_proj.weight"),
-    )) + (
-        WeightRule(_LAYER + "mlp.linear_fc1.weight",
-                   (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight")),
-        WeightRule(_LAYER + "self_attention.linear_qkv.weight",
-                   tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
-                   join=_qkv_to_mcore, split=_qkv_to_hf, applies=_layer_type("full_attention")),
-        WeightRule(_LAYER + "self_attention.in_proj.weight",
-                   tuple(_HF_LAYER + f"linear_attn.{p}.weight" for p in ("in_proj_qkv", "in_proj_z", "in_proj_b",
-                                                                          "in_proj_a")),
-                   split=rows_of(_in_proj_rows), applies=_layer_type("linear_attention")),
-    ),
-    hf_prefixes=(("model.language_model.", "model."),),
-    dropped=lambda name, hf: name.startswith("model.visual."),
-    kept=lambda name, hf: name.startswith(("mtp.", "model.mtp.")),
-    kept_layer=lambda name, hf: _mtp_layer(name),
-    kept_layers_field="mtp_num_hidden_layers",
-    normalize=normalize_hf_config,
+HYBRID_RULES = layer_rules((
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+    ("linear_attn.conv1d.weight", "self_attention.conv1d.weight"),
+    ("linear_attn.dt_bias", "self_attention.dt_bias"),
+    ("linear_attn.A_log", "self_attention.A_log"),
+    ("linear_attn.norm.weight", "self_attention.out_norm.weight"),
+    ("linear_attn.out_proj.weight", "self_attention.out_proj.weight"),
+)) + (
+    WeightRule(_LAYER + "self_attention.linear_qkv.weight",
+               tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
+               join=_qkv_to_mcore, split=_qkv_to_hf, applies=_layer_type("full_attention")),
+    WeightRule(_LAYER + "self_attention.in_proj.weight",
+               tuple(_HF_LAYER + f"linear_attn.{p}.weight" for p in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                      "in_proj_a")),
+               split=rows_of(_in_proj_rows), applies=_layer_type("linear_attention")),
 )
+"""Every layer's norms and mixer (Gated DeltaNet or gated attention): the layer weights the
+Qwen3.5 families share."""
+
+
+def hybrid_weight_map(mlp_rules: tuple[WeightRule, ...], normalize, **fields) -> WeightMap:
+    """The weight table of a Qwen3.5 family whose MLP weights are ``mlp_rules``: HF names under
+    ``model.`` or ``model.language_model.``, the vision tower dropped, ``mtp.*`` kept; ``fields``:
+    more ``WeightMap`` settings."""
+    return WeightMap(
+        rules=MODEL_RULES + HYBRID_RULES + mlp_rules,
+        hf_prefixes=(("model.language_model.", "model."),),
+        dropped=lambda name, hf: name.startswith("model.visual."),
+        kept=lambda name, hf: name.startswith(("mtp.", "model.mtp.")),
+        kept_layer=lambda name, hf: _mtp_layer(name),
+        kept_layers_field="mtp_num_hidden_layers",
+        normalize=normalize,
+        **fields,
+    )
+
+
+WEIGHTS = hybrid_weight_map((
+    WeightRule(_LAYER + "mlp.linear_fc1.weight", (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight")),
+    WeightRule(_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",)),
+), normalize_hf_config)
 """Qwen3.5's weight table; HF names under ``model.`` (or ``model.language_model.``)."""
 
 
 def tp_sections(name: str, config: TransformerConfig) -> list[int] | None:
-    """Full-size sections of fused tensors that TP splits section by section."""
+    """Full-size sections of fused tensors that TP splits section by section (the mixers' and a
+    dense MLP's; ``qwen3_5_moe``'s add the experts')."""
     qk = config.linear_num_key_heads * config.linear_key_head_dim
     v = config.linear_num_value_heads * config.linear_value_head_dim
     if name.endswith("self_attention.in_proj.weight"):

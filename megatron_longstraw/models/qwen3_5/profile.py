@@ -1,5 +1,7 @@
 """What Qwen3.5 costs: FLOPs (for MFU) and the budget planner's profile (``models/profile.py``)."""
 
+from dataclasses import dataclass
+
 from megatron_longstraw.models.flops import (DELTA_RULE_CHUNK, causal_attention_flops, delta_rule_flops,
                                              linear_flops, linear_weight_elements, logits_flops)
 from megatron_longstraw.models.hf_config import get, rope_parameters
@@ -94,30 +96,57 @@ def _gated_delta_net_saved_bytes(hf: dict) -> int:
             + 2 * v)                                     # out_proj input
 
 
-def plan_profile(hf: dict) -> ModelProfile:
-    """The budget planner's description of a Qwen3.5 config (``models/profile.py``), from the
-    raw config alone: the parameters ``block_spec`` builds (local spec), the prompt state of each
+@dataclass(frozen=True)
+class MlpProfile:
+    """What a layer's MLP adds to its ``LayerProfile`` (dense here, MoE in ``qwen3_5_moe``)."""
+
+    params: int
+    expert_params: int
+    """Of ``params``, the routed experts' (sharded over EP)."""
+    replicated_params: int
+    """Of ``params``, those every TP rank holds whole (a router)."""
+    active_params: int
+    """Linear weight elements one token passes through."""
+    saved_bytes: int
+    """Bytes autograd keeps per token."""
+    routed_hidden_bytes: int = 0
+    """Per token: the routed copies of its hidden state kept between layers."""
+    num_experts: int = 0
+    moe: bool = False
+
+
+def dense_mlp(hf: dict) -> MlpProfile:
+    """A SwiGLU MLP of ``intermediate_size``: ``linear_fc1`` ``[gate; up]`` and ``linear_fc2``."""
+    hidden, ffn = hf["hidden_size"], hf["intermediate_size"]
+    return MlpProfile(params=3 * ffn * hidden, expert_params=0, replicated_params=0, active_params=3 * ffn * hidden,
+                      saved_bytes=swiglu_mlp_saved_bytes(hidden, ffn))
+
+
+def hybrid_profile(hf: dict, mlp: MlpProfile, tp_divisors: tuple[int, ...]) -> ModelProfile:
+    """The budget planner's description of a normalized Qwen3.5-style config whose layers each
+    have ``mlp``: the parameters ``block_spec`` builds (local spec), the prompt state of each
     layer kind (``AttentionKVState``, ``GatedDeltaState``), the mixer FLOPs of ``_mixer_flops``
-    and the bytes autograd keeps per token (above). ``ValueError`` for an invalid config."""
-    hf = normalize_hf_config(hf)
-    hidden, ffn, vocab = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    and the bytes autograd keeps per token (above); ``tp_divisors`` are the MLP's widths TP
+    must divide."""
+    hidden, vocab = hf["hidden_size"], hf["vocab_size"]
     heads, groups, dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
     heads_k, heads_v = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
     dim_k, dim_v, kernel = hf["linear_key_head_dim"], hf["linear_value_head_dim"], hf["linear_conv_kernel_dim"]
     norms = 2 * hidden                                   # input_layernorm, pre_mlp_layernorm
-    mlp = 3 * ffn * hidden                               # linear_fc1 [gate; up], linear_fc2
-    mlp_bytes = 2 * rms_norm_saved_bytes(hidden) + swiglu_mlp_saved_bytes(hidden, ffn)  # + the layer's norms
-    hidden_bytes = 2 * rms_norm_saved_bytes(hidden) + 2 * 2 * hidden  # the norms, the mixer's and MLP's inputs
+    mlp_bytes = 2 * rms_norm_saved_bytes(hidden) + mlp.saved_bytes  # + the layer's norms
+    hidden_bytes = 2 * rms_norm_saved_bytes(hidden) + 2 * 2 * hidden + mlp.routed_hidden_bytes
+    mlp_fields = dict(moe=mlp.moe, expert_params=mlp.expert_params)
 
     qkv_rows = (2 * heads + 2 * groups) * dim            # [q, gate, k, v]
-    attention_linear = qkv_rows * hidden + hidden * heads * dim + mlp
+    attention_linear = qkv_rows * hidden + hidden * heads * dim
     attention_bias = qkv_rows if get(hf, "attention_bias", False) else 0  # column-parallel: sharded
     attention_norms = norms + 2 * dim                    # + per-head q/k norms
     attention_bytes = _attention_saved_bytes(hf) + mlp_bytes
     attention = LayerProfile(
-        mixer="attention", moe=False,
-        params=attention_linear + attention_bias + attention_norms, expert_params=0,
-        replicated_params=attention_norms, active_linear_params=attention_linear,
+        mixer="attention", **mlp_fields,
+        params=attention_linear + mlp.params + attention_bias + attention_norms,
+        replicated_params=attention_norms + mlp.replicated_params,
+        active_linear_params=attention_linear + mlp.active_params,
         state_bytes_per_token=2 * 2 * groups * dim, state_bytes_fixed=0,  # bf16 K and V pages
         grad_state_elements_per_token=2 * groups * dim, grad_state_elements_fixed=0,
         tp_sharded_state=True, attention_pair_flops=2.0 * heads * (dim + dim), sparse_topk=0,
@@ -128,15 +157,16 @@ def plan_profile(hf: dict) -> ModelProfile:
 
     qk, v = heads_k * dim_k, heads_v * dim_v
     conv_channels = 2 * qk + v
-    gdn_linear = (2 * qk + 2 * v + 2 * heads_v) * hidden + hidden * v + mlp  # in_proj, out_proj, MLP
+    gdn_linear = (2 * qk + 2 * v + 2 * heads_v) * hidden + hidden * v  # in_proj, out_proj
     gdn_other = conv_channels * kernel + 2 * heads_v     # depthwise conv1d (no bias), dt_bias, A_log: sharded
     gdn_norms = norms + dim_v                            # + the gated output norm
     recurrent, tail = heads_v * dim_k * dim_v, conv_channels * (kernel - 1)
     gdn_bytes = _gated_delta_net_saved_bytes(hf) + mlp_bytes
     gated_delta_net = LayerProfile(
-        mixer="gated_delta_net", moe=False,
-        params=gdn_linear + gdn_other + gdn_norms, expert_params=0,
-        replicated_params=gdn_norms, active_linear_params=gdn_linear,
+        mixer="gated_delta_net", **mlp_fields,
+        params=gdn_linear + mlp.params + gdn_other + gdn_norms,
+        replicated_params=gdn_norms + mlp.replicated_params,
+        active_linear_params=gdn_linear + mlp.active_params,
         state_bytes_per_token=0.0, state_bytes_fixed=4 * recurrent + 2 * tail,  # fp32 state, bf16 tail
         grad_state_elements_per_token=0.0, grad_state_elements_fixed=recurrent + tail,
         tp_sharded_state=True, attention_pair_flops=0.0, sparse_topk=0, indexer_pair_flops=0.0,
@@ -150,8 +180,16 @@ def plan_profile(hf: dict) -> ModelProfile:
         name=profile_name(hf), hidden_size=hidden, vocab_size=vocab,
         embedding_params=vocab * hidden, output_params=0 if tied else vocab * hidden, final_norm_params=hidden,
         layers=tuple(attention if t == "full_attention" else gated_delta_net for t in hf["layer_types"]),
-        logits_bytes_per_token=replay_output_bytes(hidden), num_experts=0,
-        tp_divisors=(heads, groups, heads_k, heads_v, ffn, vocab),  # transformer_config's checks
+        logits_bytes_per_token=replay_output_bytes(hidden), num_experts=mlp.num_experts,
+        tp_divisors=(heads, groups, heads_k, heads_v, vocab) + tp_divisors,  # transformer_config's checks
         sweep_final_norm_bytes_per_token=rms_norm_saved_bytes(hidden),
         last_hidden_state_bytes=2 * hidden, last_hidden_grad_elements=hidden,
+        tp_needs_sequence_parallel=mlp.moe,  # Megatron's MoE under TP needs --sequence-parallel
     )
+
+
+def plan_profile(hf: dict) -> ModelProfile:
+    """The budget planner's description of a Qwen3.5 config (``hybrid_profile`` with a dense
+    MLP), from the raw config alone. ``ValueError`` for an invalid config."""
+    hf = normalize_hf_config(hf)
+    return hybrid_profile(hf, dense_mlp(hf), (hf["intermediate_size"],))
