@@ -1,5 +1,5 @@
-"""CP=2 (two gloo processes) against CP=1 for LongStraw capture/replay on Qwen3.5 (full attention
-+ Gated DeltaNet): response logits (fp32), per-parameter gradients after replay (fp64, see
+"""CP=2 (two gloo processes) against CP=1 for LongStraw capture/replay on Qwen3.5 and Qwen3.5-MoE
+(full attention + Gated DeltaNet): response logits (fp32), per-parameter gradients after replay (fp64, see
 ``parity.logits_and_grads`` for why), the Gated DeltaNet state and the K/V pages after the
 prompt, uneven prompts and chunks included; bad input. One spawn runs every case."""
 
@@ -11,7 +11,7 @@ from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiprocess
 from megatron_longstraw.testing.parity import assert_grads_match, random_tokens, seeded_model, value_error_text
 
-PRESET = "qwen3.5-debug"
+PRESETS = ("qwen3.5-debug", "qwen3.5-moe-debug")  # (the MoE layers route each rank's own tokens)
 # (prompt length, chunk size): one chunk (plain contiguous shards 23 | 22), chunks of 16 that do
 # not divide the odd prompt (8|8, 8|8, 7|6), and 2-token chunks (1|1 shards, shorter than the
 # conv tail; the 1-token last chunk is folded into the one before)
@@ -103,9 +103,9 @@ def _cp_worker(hf):
     return out
 
 
-@pytest.fixture(scope="module")
-def runs():
-    hf = resolve_hf_config(PRESET)
+@pytest.fixture(scope="module", params=PRESETS)
+def runs(request):
+    hf = resolve_hf_config(request.param)
     return on_one_rank(_run_cases, hf), run_multiprocess(_cp_worker, 2, hf)
 
 

@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import convert_checkpoint  # noqa: E402
 
 CASES = {"qwen": ("qwen3.5-debug", {"tie_word_embeddings": True}),
+         "qwen-moe": ("qwen3.5-moe-debug", {}),
          "glm": ("glm-5-debug", {})}
 
 
@@ -38,8 +40,27 @@ def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Routed experts one tensor per expert (``mlp.experts.{e}.gate_proj.weight``: transformers'
+    ``save_pretrained``) as the stacked ``gate_up_proj`` / ``down_proj`` the official Qwen3.5-MoE
+    checkpoints and their exports hold; other tensors unchanged."""
+    out, experts = {}, {}
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"(.+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight", name)
+        if match is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(match.group(1), {}).setdefault(int(match.group(2)), {})[match.group(3)] = tensor
+    for prefix, by_expert in experts.items():
+        order = sorted(by_expert)
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["gate"], by_expert[e]["up"]]) for e in order])
+        out[prefix + "down_proj"] = torch.stack([by_expert[e]["down"] for e in order])
+    return out
+
+
 def _assert_bit_identical(original: Path, converted: Path) -> None:
-    a, b = _hf_tensors(original), _hf_tensors(converted)
+    """The same tensors, bit for bit (routed experts compared in one layout: ``_stacked_experts``)."""
+    a, b = _stacked_experts(_hf_tensors(original)), _stacked_experts(_hf_tensors(converted))
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
@@ -242,12 +263,13 @@ def _load_under_layout(hf, load_dir, hf_state, sizes):
 
 
 def test_converted_checkpoint_loads_under_expert_parallelism(converted):
-    """GLM-5: EP=2 ranks each load their own experts (and the router bias) exactly."""
+    """GLM-5 and Qwen3.5-MoE: EP=2 ranks each load their own experts (and GLM-5's router bias)
+    exactly."""
     from megatron_longstraw.config.parallel import ParallelSizes
 
     hf, hf_model, root = converted
-    if hf["model_type"] != "glm_moe_dsa":
-        pytest.skip("experts exist in the GLM-5 family only")
+    if hf["model_type"] not in ("glm_moe_dsa", "qwen3_5_moe_text"):
+        pytest.skip("a dense model: no experts")
     mismatched = run_multiprocess(_load_under_layout, 2, hf, root / "mcore", hf_model.state_dict(),
                                   ParallelSizes(expert=2))
     assert mismatched == [[], []]

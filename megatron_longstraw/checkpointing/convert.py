@@ -7,9 +7,10 @@ missing and unexpected tensors) before anything is written; the write pass conve
 at a time as DCP asks for its chunks.
 
 mcore-to-hf: every weight of the layout is read from the checkpoint chunk by chunk (whatever
-TP/PP/EP it was saved with), converted alone with ``mcore_to_hf(checkpoint_layout=True)`` and
-streamed into safetensors shards of bounded size, with ``model.safetensors.index.json`` and
-``config.json``.
+TP/PP/EP it was saved with), converted with ``mcore_to_hf(checkpoint_layout=True)`` alone (or,
+where the HF tensor stacks a layer's experts, with that layer's other experts:
+``WeightMap.export_groups``) and streamed into safetensors shards of bounded size, with
+``model.safetensors.index.json`` and ``config.json``.
 
 Both keep the tokenizer files, ``generation_config.json`` and the HF tensors outside the Megatron
 model that the family keeps (``WeightMap.kept``: multi-token prediction) (``hf_assets.py``):
@@ -128,8 +129,9 @@ def plan_hf_groups(source: HFFolder, hf: dict, layout, family) -> tuple[list, li
         plan.append((names, {w: t.dtype for w, t in out.items()}))
     for weight, shape in layout.params.items():
         if weight not in produced:
-            wanted = family.weights.mcore_to_hf({weight: torch.empty(shape, device="meta")}, hf,
-                                        checkpoint_layout=True)
+            group = next(g for g in family.weights.export_groups(list(layout.params), hf) if weight in g)
+            wanted = family.weights.mcore_to_hf({w: torch.empty(layout.params[w], device="meta") for w in group},
+                                                hf, checkpoint_layout=True)
             raise ValueError(f"missing HF tensor {sorted(wanted)[0]!r} (for Megatron {weight!r})")
     return plan, dropped, kept
 
@@ -270,16 +272,19 @@ def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | N
                                  f"of {hf.get('_source', 'the config')})")
         by_param = layout.chunks_by_param()
         dtypes = {w: dist_io.stored_dtype(metadata, chunks[0].key) for w, chunks in by_param.items()}
-        outputs = {}  # weight -> [(hf name, dtype, shape)]
-        for weight, shape in layout.params.items():
-            meta = family.weights.mcore_to_hf({weight: torch.empty(shape, dtype=dtypes[weight], device="meta")},
-                                      hf, checkpoint_layout=True)
-            outputs[weight] = [(n, t.dtype, tuple(t.shape)) for n, t in meta.items()]
-        sizes = {w: _nbytes(torch.empty(s, dtype=dtypes[w], device="meta"))
-                 for w, s in layout.params.items()}
+        # the units converted together: one weight, or every expert of a layer whose HF tensor
+        # stacks them (WeightMap.export_groups)
+        groups = [tuple(g) for g in family.weights.export_groups(list(layout.params), hf)]
+        outputs = {}  # group -> [(hf name, dtype, shape)]
+        for group in groups:
+            meta = family.weights.mcore_to_hf({w: torch.empty(layout.params[w], dtype=dtypes[w], device="meta")
+                                               for w in group}, hf, checkpoint_layout=True)
+            outputs[group] = [(n, t.dtype, tuple(t.shape)) for n, t in meta.items()]
+        sizes = {g: sum(_nbytes(torch.empty(layout.params[w], dtype=dtypes[w], device="meta")) for w in g)
+                 for g in groups}
         # shards of at most max_shard_bytes: the model's weights (converted), then the kept tensors
         shards, current, current_bytes = [], ([], []), 0
-        units = [(0, w, sizes[w]) for w in layout.params] + [(1, n, e.nbytes) for n, e in kept.items()]
+        units = [(0, g, sizes[g]) for g in groups] + [(1, n, e.nbytes) for n, e in kept.items()]
         for kind, key, size in units:
             if (current[0] or current[1]) and current_bytes + size > max_shard_bytes:
                 shards.append(current)
@@ -292,34 +297,37 @@ def mcore_to_hf_checkpoint(load: str | Path, save: str | Path, *, model: str | N
         bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="mcore-to-hf", file=sys.stderr)
         weight_map, count = {}, 0
         with atomic_output(save, overwrite) as out:
-            for number, (weights, kept_names) in enumerate(shards, start=1):
+            for number, (units_in_shard, kept_names) in enumerate(shards, start=1):
                 file = SINGLE_NAME if len(shards) == 1 else \
                     f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-                specs = [spec for w in weights for spec in outputs[w]]
+                specs = [spec for g in units_in_shard for spec in outputs[g]]
                 specs += [(n, kept[n].dtype, kept[n].shape) for n in kept_names]
                 writer = SafetensorsWriter(out / file, specs)
                 try:
                     start = 0
-                    while start < len(weights):  # read a batch of weights up to the budget
+                    while start < len(units_in_shard):  # read a batch of groups up to the budget
                         end, batch_bytes = start, 0
-                        while end < len(weights) and (end == start or batch_bytes + sizes[weights[end]] <= budget):
-                            batch_bytes += sizes[weights[end]]
+                        while end < len(units_in_shard) and (
+                                end == start or batch_bytes + sizes[units_in_shard[end]] <= budget):
+                            batch_bytes += sizes[units_in_shard[end]]
                             end += 1
-                        full = {w: torch.empty(layout.params[w], dtype=dtypes[w]) for w in weights[start:end]}
+                        batch = units_in_shard[start:end]
+                        full = {w: torch.empty(layout.params[w], dtype=dtypes[w]) for g in batch for w in g}
                         try:
                             dist_io.read_chunks(folder, [(c.key, c.offsets, c.of(full[w]))
                                                          for w in full for c in by_param[w]])
                         except (Exception, CheckpointException) as err:  # torch's is a BaseException
                             raise ValueError(f"--load {folder}: checkpoint is corrupt or incomplete (reading "
                                              f"{sorted(full)[0]!r}: {dist_io.one_line(err)})") from None
-                        for w in list(full):
-                            tensors = family.weights.mcore_to_hf({w: full.pop(w)}, hf, checkpoint_layout=True)
-                            for name, _, _ in outputs[w]:
+                        for group in batch:
+                            tensors = family.weights.mcore_to_hf({w: full.pop(w) for w in group}, hf,
+                                                                 checkpoint_layout=True)
+                            for name, _, _ in outputs[group]:
                                 writer.add(name, tensors[name])
                                 weight_map[name] = file
                                 count += 1
                             del tensors
-                            bar.update(sizes[w])
+                            bar.update(sizes[group])
                             bar.set_postfix(tensors=count, refresh=False)
                         start = end
                     for name in kept_names:  # unchanged, one at a time

@@ -65,9 +65,10 @@ class WeightRule:
     """``(Megatron tensor, hf config) -> HF tensors`` (default: equal row blocks)."""
     applies: Callable[[dict, dict], bool] = always
     """``(hf config, fields) -> bool``: the layers the rule serves (e.g. full-attention ones)."""
-    layout: Literal["both", "checkpoint", "module"] = "both"
+    layout: Literal["both", "checkpoint", "module", "read"] = "both"
     """Which HF layout writes the rule (``mcore_to_hf``): checkpoint files, transformers'
-    modules, or both; ``hf_to_mcore`` reads every layout."""
+    modules, both, or none (``read``: a layout some checkpoints hold that no export writes);
+    ``hf_to_mcore`` reads every layout."""
     hf_stacked: bool = False
     """The (single) HF tensor stacks every expert of the layer along dim 0."""
     required: bool = False
@@ -279,6 +280,23 @@ class WeightMap:
         if hf.get("tie_word_embeddings", False) and not checkpoint_layout and embedding in out:
             out.setdefault(output, out[embedding])
         return {k: v.contiguous() for k, v in out.items()}
+
+    def export_groups(self, names: list[str], hf: dict, *, checkpoint_layout: bool = True) -> list[list[str]]:
+        """``names`` (Megatron weights) in the groups ``mcore_to_hf`` converts together: every
+        expert of a layer for a rule whose HF tensor stacks them, each other weight alone; in
+        the order of ``names``' first members."""
+        hf = self.normalize(hf)
+        wanted = "checkpoint" if checkpoint_layout else "module"
+        groups: dict[object, list[str]] = {}
+        for name in names:
+            rule, fields = self._match_mcore(name, hf, wanted)
+            if rule.hf_stacked:
+                fields.pop("expert")
+                key = (id(rule), tuple(sorted(fields.items())))
+            else:
+                key = name
+            groups.setdefault(key, []).append(name)
+        return list(groups.values())
 
     def _match_mcore(self, name: str, hf: dict, wanted: str) -> tuple[WeightRule, dict]:
         """The rule that writes Megatron tensor ``name`` in the layout ``wanted`` and its fields;

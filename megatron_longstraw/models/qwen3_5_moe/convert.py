@@ -4,10 +4,10 @@ config written beside converted weights and the transformers reference model.
 The layers' norms and mixers map as Qwen3.5's (``models/qwen3_5/convert.py``). The MoE block:
 ``mlp.gate`` is the router, ``mlp.shared_expert.*`` the shared expert (``gate_proj`` and
 ``up_proj`` fused into ``linear_fc1``), ``mlp.shared_expert_gate`` its ``gate_weight``. Routed
-experts are read stacked (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` / ``down_proj``, the
-official checkpoints' and transformers' layout) or one tensor per expert
-(``mlp.experts.{e}.gate_proj.weight``, some quantized exports' layout); an export writes them one
-tensor per expert, which transformers' loader and the inference servers read. The Megatron
+experts are stacked (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` / ``down_proj`` ``[E, H, I]``:
+the official checkpoints' and transformers' layout, which an export writes; it converts a layer's
+experts together, ``WeightMap.export_groups``) or, read only, one tensor per expert
+(``mlp.experts.{e}.gate_proj.weight``, the layout of some quantized exports). The Megatron
 weights name every expert by its global number (``local_experts.{e}``).
 """
 
@@ -49,11 +49,12 @@ WEIGHTS = hybrid.hybrid_weight_map(layer_rules((
     ("mlp.shared_expert_gate.weight", "mlp.shared_experts.gate_weight"),
 )) + (
     _gate_up(_HF_LAYER + "mlp.shared_expert.", _LAYER + "mlp.shared_experts.linear_fc1.weight"),
-    # routed experts: one tensor per expert (written by exports) or stacked (official checkpoints)
-    _gate_up(_EXPERTS_HF + "{expert}.", _EXPERTS + "linear_fc1.weight", layout="checkpoint"),
-    WeightRule(_EXPERTS + "linear_fc2.weight", (_EXPERTS_HF + "{expert}.down_proj.weight",), layout="checkpoint"),
-    WeightRule(_EXPERTS + "linear_fc1.weight", (_EXPERTS_HF + "gate_up_proj",), layout="module", hf_stacked=True),
-    WeightRule(_EXPERTS + "linear_fc2.weight", (_EXPERTS_HF + "down_proj",), layout="module", hf_stacked=True),
+    # routed experts: stacked (the official checkpoints and transformers' modules; what an export
+    # writes) or one tensor per expert (some quantized exports; read only)
+    WeightRule(_EXPERTS + "linear_fc1.weight", (_EXPERTS_HF + "gate_up_proj",), hf_stacked=True),
+    WeightRule(_EXPERTS + "linear_fc2.weight", (_EXPERTS_HF + "down_proj",), hf_stacked=True),
+    _gate_up(_EXPERTS_HF + "{expert}.", _EXPERTS + "linear_fc1.weight", layout="read"),
+    WeightRule(_EXPERTS + "linear_fc2.weight", (_EXPERTS_HF + "{expert}.down_proj.weight",), layout="read"),
 ), normalize_hf_config, num_experts_field="num_experts")
 """Qwen3.5-MoE's weight table; HF names under ``model.`` (or ``model.language_model.``)."""
 
