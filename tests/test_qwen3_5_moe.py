@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from megatron_longstraw.longstraw.capture import capture_prompt
-from megatron_longstraw.longstraw.full_graph import full_graph_responses
 from megatron_longstraw.longstraw.replay import replay_logits
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.qwen3_5_moe import FAMILY
 from megatron_longstraw.models.qwen3_5_moe.presets import PRESETS
 from megatron_longstraw.models.registry import family_for
 from megatron_longstraw.testing.hf_reference import build_hf_model
-from megatron_longstraw.testing.parity import (exact_gradients, forward_logits, max_rel_error, megatron_from_hf,
-                                               weighted_response_loss)
+from megatron_longstraw.testing.parity import (assert_exact_equals_full_backprop, forward_logits, max_rel_error,
+                                               megatron_from_hf, weighted_response_loss)
 
 PROMPT = 30
 
@@ -103,23 +102,7 @@ def test_exact_gradients_equal_full_backprop(single_process, chunk, lengths, mic
     prompt = _tokens(hf, PROMPT, 3)
     responses = [_tokens(hf, n, 10 + n)[0] for n in lengths]
     loss_fn = weighted_response_loss(sum(lengths))
-
-    def grads():
-        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return out
-
-    full_graph_responses(model, prompt, responses, loss_fn, micro_batch_size=1, exact=True)
-    reference = grads()
-    exact_gradients(model, prompt, responses, loss_fn, chunk, micro_batch)
-    exact = grads()
-    assert set(exact) == set(reference)
-    for name, ref in reference.items():
-        if "local_experts" in name and ref.abs().max() == 0:  # an expert no loss-bearing token chose
-            assert exact[name].abs().max() == 0, f"{name}: routed in exact mode only"
-            continue
-        assert ref.abs().max() > 0, f"{name}: zero reference gradient"
-        assert max_rel_error(exact[name], ref) <= 1e-9, name
+    assert_exact_equals_full_backprop(model, prompt, responses, loss_fn, chunk, micro_batch)
 
 
 def test_bad_configs_are_one_line_naming_the_field(single_process, monkeypatch):

@@ -8,14 +8,13 @@ import torch
 from megatron_longstraw.config.model import ModelConfig
 from megatron_longstraw.checkpointing.model_checkpoint import model_hf_config
 from megatron_longstraw.longstraw.capture import capture_prompt
-from megatron_longstraw.longstraw.full_graph import full_graph_responses
 from megatron_longstraw.longstraw.replay import replay_logits
 from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.models.rope import with_yarn, yarn_parameters
 from megatron_longstraw.testing.hf_reference import build_hf_model
-from megatron_longstraw.testing.parity import (exact_gradients, forward_logits, max_rel_error, megatron_from_hf,
+from megatron_longstraw.testing.parity import (assert_exact_equals_full_backprop, forward_logits, megatron_from_hf,
                                                weighted_response_loss)
 
 ORIGINAL, PROMPT, RESPONSE = 24, 70, 20  # every replayed position past the original maximum
@@ -103,21 +102,7 @@ def test_yarn_exact_sweep_equals_full_backprop(single_process, preset):
     prompt = _tokens(hf, PROMPT, 3)
     responses = [_tokens(hf, n, 10 + n)[0] for n in (13, 7)]
     loss_fn = weighted_response_loss(20)
-
-    def grads():
-        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return out
-
-    full_graph_responses(model, prompt, responses, loss_fn, micro_batch_size=1, exact=True)
-    reference = grads()
-    exact_gradients(model, prompt, responses, loss_fn, 16, 1)
-    exact = grads()
-    assert set(exact) == set(reference)
-    for name, ref in reference.items():
-        if "local_experts" in name and ref.abs().max() == 0:
-            continue
-        assert max_rel_error(exact[name], ref) <= 1e-9, name
+    assert_exact_equals_full_backprop(model, prompt, responses, loss_fn, 16)
 
 
 def test_yarn_factor_flag_writes_the_model_cards_config():

@@ -229,3 +229,32 @@ def weighted_response_loss(total_tokens: int):
         return -(logprobs_RB * mask_RB * weights_B).sum() / total_tokens
     return loss_fn
 
+
+
+def take_grads(model) -> dict[str, torch.Tensor]:
+    """The model's gradients by parameter name (those it has), then zeroed."""
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def assert_exact_equals_full_backprop(model, prompt_1S: torch.Tensor, responses, loss_fn, chunk_size: int,
+                                      micro_batch_size: int = 1, bound: float = 1e-9) -> None:
+    """``exact_gradients`` against full backprop through prompt + responses with nothing
+    detached (``full_graph_responses(exact=True)``): the same parameters, each within ``bound``
+    (``max_rel_error``). A routed expert none of whose loss-bearing tokens chose it has a zero
+    reference gradient and must have a zero exact one."""
+    from megatron_longstraw.longstraw.full_graph import full_graph_responses
+
+    full_graph_responses(model, prompt_1S, responses, loss_fn, micro_batch_size=1, exact=True)
+    reference = take_grads(model)
+    exact_gradients(model, prompt_1S, responses, loss_fn, chunk_size, micro_batch_size)
+    exact = take_grads(model)
+    assert set(exact) == set(reference), "exact mode changed which parameters get gradients"
+    for name, ref in reference.items():
+        if "local_experts" in name and ref.abs().max() == 0:
+            assert exact[name].abs().max() == 0, f"{name}: routed in exact mode only"
+            continue
+        assert ref.abs().max() > 0, f"{name}: zero reference gradient"
+        rel = max_rel_error(exact[name], ref)
+        assert rel <= bound, f"{name}: relative gradient error {rel}"
