@@ -70,6 +70,10 @@ class LayerProfile:
     """Added to the replay's bytes per token under context parallelism (CP > 1: every CP rank
     replays the whole response): what the layer keeps to merge its attention over the CP group
     (0 where the merge keeps nothing more). The sweep under CP is not modeled."""
+    capture_transient_bytes_per_token: float = 0.0
+    """A capture chunk's no-grad working set per chunk token where it exceeds the planner's
+    default (``planning/memory.py``'s ``CAPTURE_TRANSIENT_BYTES_PER_HIDDEN``): a MoE layer's
+    dispatched copies (``moe_capture_transient_bytes``)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,17 @@ def routed_experts_saved_bytes(hidden: int, experts: int, topk: int, ffn: int) -
                      + 2 * ffn + 4                       # the probs multiply: GLU output, fp32 prob
                      + 2 * ffn)                          # fc2 input
     return router + routed
+
+
+def moe_capture_transient_bytes(hidden: int, topk: int) -> int:
+    """A MoE layer's no-grad working set per capture-chunk token (allgather dispatcher,
+    ``SequentialMLP``): the permuted copies of the tokens, the experts' outputs and their
+    probability-weighted copy, each ``topk x hidden`` bf16, beside the layer's input, norm and
+    residual (16 bytes per hidden unit, the planner's default). Measured: qwen3.6-35b-a3b cut to
+    8 layers, 65,536-token chunks on an H100: the capture peak 10.9 GiB over the weights and the
+    state, this term 8.0 GiB, the measured peak 1.04 x the predicted floor
+    (``docs/qwen3.6-35b-a3b_1m.md``)."""
+    return 6 * topk * hidden + 16 * hidden
 
 
 def replay_output_bytes(hidden: int) -> int:

@@ -4,8 +4,8 @@ the result; ``python tools/plan_budget.py --fit-rates docs/bench`` recomputes it
 Three non-negative least-squares fits, each on the single-GPU points (no CP, no PP; not the runs
 made before the benchmark warmed up, ``measured.COLD_RUNS``: their warm-up-less points did not
 warm the shapes of later points either, but only their first point compiled; not the points
-``measured.COLD_POINTS`` names) and each with the rates measured on kernels alone held fixed
-(attention forward, Gated DeltaNet forward) and Gated DeltaNet's backward as
+``measured.COLD_POINTS`` names, nor the runs of ``measured.UNMODELED_TIMES``) and each with the
+rates measured on kernels alone held fixed (attention forward, Gated DeltaNet forward) and Gated DeltaNet's backward as
 ``kernels.DELTA_RULE_BWD_RATIO`` times its forward, the errors weighted by the measured time
 (relative):
 - capture (warm points only: ``MeasuredPoint.cold``): GEMM rate, per token-layer work and
@@ -53,7 +53,7 @@ def _inverse(x: float) -> float:
 def fit_rates(folder: str | Path) -> dict:
     """The fitted constants of ``kernels.py`` (same names), from ``folder``'s runs."""
     every = measured_points(folder)[0]
-    points = [p for p in every if not p.oom and p.plan.layout.cp == 1 and p.plan.layout.pp == 1
+    points = [p for p in every if not p.oom and p.plan.layout.cp == 1 and p.plan.layout.pp == 1 and p.times_modeled
               and not (p.index == 0 and p.file in COLD_RUNS) and (p.file, p.index) not in COLD_POINTS]
     fitted = {}
     split = max((p for p in every if (p.result.get("capture_split_s") or {}).get("indexer")),

@@ -129,7 +129,8 @@ def stage_memory(profile: ModelProfile, layout: Layout, run: RunShape, stage: in
     last = stage == layout.pp - 1
     state, state_grads = _state_bytes(profile, layers, layout, run, last)
     chunk_tokens = min(run.chunk_size, run.prompt_length) / layout.cp
-    capture = chunk_tokens * profile.hidden_size * CAPTURE_TRANSIENT_BYTES_PER_HIDDEN
+    capture = chunk_tokens * max([profile.hidden_size * CAPTURE_TRANSIENT_BYTES_PER_HIDDEN]
+                                 + [layer.capture_transient_bytes_per_token for layer in layers])
     cp_extra = layout.cp > 1
     sp = run.sequence_parallel or layout.tp == 1
 

@@ -3,8 +3,8 @@
 from megatron_longstraw.models.flops import active_linear_weight_elements, linear_flops, logits_flops
 from megatron_longstraw.models.glm5.config import normalize_hf_config
 from megatron_longstraw.models.hf_config import get
-from megatron_longstraw.models.profile import (LayerProfile, ModelProfile, profile_name, replay_output_bytes,
-                                               rms_norm_saved_bytes, routed_experts_saved_bytes,
+from megatron_longstraw.models.profile import (LayerProfile, ModelProfile, moe_capture_transient_bytes, profile_name,
+                                               replay_output_bytes, rms_norm_saved_bytes, routed_experts_saved_bytes,
                                                swiglu_mlp_saved_bytes)
 
 # ---- FLOPs (for MFU)
@@ -135,6 +135,7 @@ def plan_profile(hf: dict) -> ModelProfile:
             delta_rule_flops_per_token=0.0, delta_rule_heads=0,
             replay_activation_bytes_per_token=saved, sweep_activation_bytes_per_token=saved,
             replay_cp_extra_bytes_per_token=_mla_cp_extra_bytes(hf),
+            capture_transient_bytes_per_token=moe_capture_transient_bytes(hidden, per_token) if moe else 0.0,
             # the norms, the mixer's and MLP's inputs (and the routed copies of each token)
             replay_hidden_bytes_per_token=2 * rms_norm_saved_bytes(hidden) + 2 * 2 * hidden
             + (2 * hidden * per_token if moe else 0),

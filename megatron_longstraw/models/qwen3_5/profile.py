@@ -111,6 +111,8 @@ class MlpProfile:
     """Bytes autograd keeps per token."""
     routed_hidden_bytes: int = 0
     """Per token: the routed copies of its hidden state kept between layers."""
+    capture_transient_bytes: int = 0
+    """Per capture-chunk token: the no-grad working set, where it exceeds the planner's default."""
     num_experts: int = 0
     moe: bool = False
 
@@ -135,7 +137,8 @@ def hybrid_profile(hf: dict, mlp: MlpProfile, tp_divisors: tuple[int, ...]) -> M
     norms = 2 * hidden                                   # input_layernorm, pre_mlp_layernorm
     mlp_bytes = 2 * rms_norm_saved_bytes(hidden) + mlp.saved_bytes  # + the layer's norms
     hidden_bytes = 2 * rms_norm_saved_bytes(hidden) + 2 * 2 * hidden + mlp.routed_hidden_bytes
-    mlp_fields = dict(moe=mlp.moe, expert_params=mlp.expert_params)
+    mlp_fields = dict(moe=mlp.moe, expert_params=mlp.expert_params,
+                      capture_transient_bytes_per_token=mlp.capture_transient_bytes)
 
     qkv_rows = (2 * heads + 2 * groups) * dim            # [q, gate, k, v]
     attention_linear = qkv_rows * hidden + hidden * heads * dim

@@ -5,7 +5,8 @@ the shared expert is a SwiGLU MLP whose output a sigmoid gate scales (its input 
 bf16 score kept: ``2 hidden + 2`` bytes more)."""
 
 from megatron_longstraw.models.flops import active_linear_weight_elements
-from megatron_longstraw.models.profile import ModelProfile, routed_experts_saved_bytes, swiglu_mlp_saved_bytes
+from megatron_longstraw.models.profile import (ModelProfile, moe_capture_transient_bytes, routed_experts_saved_bytes,
+                                               swiglu_mlp_saved_bytes)
 from megatron_longstraw.models.qwen3_5.profile import MlpProfile, capture_flops, hybrid_profile, response_flops
 from megatron_longstraw.models.qwen3_5_moe.config import normalize_hf_config
 
@@ -33,7 +34,8 @@ def moe_mlp(hf: dict) -> MlpProfile:
         active_params=router + shared_expert + topk * 3 * ffn * hidden,
         saved_bytes=(routed_experts_saved_bytes(hidden, experts, topk, ffn)
                      + swiglu_mlp_saved_bytes(hidden, shared) + 2 * hidden + 2),
-        routed_hidden_bytes=2 * hidden * topk, num_experts=experts, moe=True)
+        routed_hidden_bytes=2 * hidden * topk, capture_transient_bytes=moe_capture_transient_bytes(hidden, topk),
+        num_experts=experts, moe=True)
 
 
 def plan_profile(hf: dict) -> ModelProfile:
