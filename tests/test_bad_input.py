@@ -1,8 +1,6 @@
 """Bad input: one clear error line naming the flag/field/file, and a non-zero exit."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,14 +11,13 @@ from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.models.qwen3_5.presets import PRESETS
 from megatron_longstraw.models.registry import family_for
-from megatron_longstraw.testing.multiprocess import run_multiprocess
+from megatron_longstraw.testing.multiprocess import run_multiprocess, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run_smoke(*args):
-    proc = subprocess.run([sys.executable, str(ROOT / "examples/smoke_forward_backward.py"), *args],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_script(ROOT / "examples/smoke_forward_backward.py", list(args))
     return proc.returncode, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
 
 

@@ -12,6 +12,7 @@ from megatron_longstraw.longstraw.activation_meter import SavedTensorMeter
 from megatron_longstraw.longstraw.cost_model import memory_floor_bytes
 from megatron_longstraw.models.presets import resolve_hf_config
 from megatron_longstraw.models.qwen3_5.profile import capture_flops as qwen_prompt_flops
+from megatron_longstraw.testing.multiprocess import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,10 +58,10 @@ def test_saved_tensor_meter_leaves_no_reference_cycle():
 
 
 def test_bench_tool_end_to_end(tmp_path):
-    cmd = [sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "qwen3.5-debug",
+    cmd = [ROOT / "tools/bench_longstraw.py", "--model", "qwen3.5-debug",
            "--prompt-lengths", "96", "--group-sizes", "1,3", "--response-length", "16",
            "--prompt-chunk-size", "32", "--warmup-prompt-length", "40", "--output-dir", str(tmp_path)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    run_script(cmd[0], cmd[1:], check=True)
     data = json.loads((tmp_path / "bench_qwen3.5-debug.json").read_text())
     assert "tools/bench_longstraw.py" in data["command"]
     modes = sorted((r["mode"], r["group"]) for r in data["results"])
@@ -72,11 +73,11 @@ def test_bench_tool_end_to_end(tmp_path):
 def test_bench_tool_times_the_exact_prompt_backward(tmp_path):
     """``--prompt-gradient exact``: the reverse sweep's time and peak and the state-gradient bytes
     per point, in the JSON and the table."""
-    cmd = [sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "qwen3.5-debug",
+    cmd = [ROOT / "tools/bench_longstraw.py", "--model", "qwen3.5-debug",
            "--prompt-lengths", "64", "--group-sizes", "2", "--response-length", "8", "--modes", "longstraw",
            "--prompt-chunk-size", "32", "--warmup-prompt-length", "0", "--prompt-gradient", "exact",
            "--output-dir", str(tmp_path)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    run_script(cmd[0], cmd[1:], check=True)
     (result,) = json.loads((tmp_path / "bench_qwen3.5-debug.json").read_text())["results"]
     assert result["prompt_gradient"] == "exact" and result["prompt_backward_s"] > 0
     assert 0 < result["state_grad_gib"] < result["floor_gib"]
@@ -91,10 +92,10 @@ def test_bench_tool_times_the_exact_prompt_backward(tmp_path):
 def test_bench_tool_glm_reports_flops_and_capture_split(tmp_path):
     """GLM-5 tiny through the benchmark: capture MFU from the GLM FLOPs formula and the capture
     time split into indexer, sparse MLA, MoE and the rest (which add up to the capture time)."""
-    cmd = [sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "glm-5-debug", "--num-layers", "3",
+    cmd = [ROOT / "tools/bench_longstraw.py", "--model", "glm-5-debug", "--num-layers", "3",
            "--prompt-lengths", "80", "--group-sizes", "2", "--response-length", "8", "--modes", "longstraw",
            "--prompt-chunk-size", "32", "--warmup-prompt-length", "0", "--output-dir", str(tmp_path)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    run_script(cmd[0], cmd[1:], check=True)
     (result,) = json.loads((tmp_path / "bench_glm-5-debug.json").read_text())["results"]
     split = result["capture_split_s"]
     assert sorted(split) == ["indexer", "moe", "rest", "sparse_attention"]
@@ -165,10 +166,10 @@ def test_bench_tool_under_context_and_pipeline_parallelism(tmp_path):
                    check=True, capture_output=True, timeout=300)
     (result,) = json.loads((tmp_path / "bench_qwen3.5-debug.json").read_text())["results"]
     assert result["context_parallel"] == 2 and len(result["replay_s"]) == 2
-    single = subprocess.run([sys.executable, str(ROOT / "tools/bench_longstraw.py"), "--model", "qwen3.5-debug",
-                             "--prompt-lengths", "128", "--group-sizes", "2", "--response-length", "8",
-                             "--modes", "longstraw", "--prompt-chunk-size", "32", "--warmup-prompt-length", "0",
-                             "--output-dir", str(tmp_path / "cp1")], check=True, capture_output=True, timeout=300)
+    single = run_script(ROOT / "tools/bench_longstraw.py", ["--model", "qwen3.5-debug",
+                        "--prompt-lengths", "128", "--group-sizes", "2", "--response-length", "8",
+                        "--modes", "longstraw", "--prompt-chunk-size", "32", "--warmup-prompt-length", "0",
+                        "--output-dir", str(tmp_path / "cp1")], check=True)
     assert single.returncode == 0
     (cp1,) = json.loads((tmp_path / "cp1" / "bench_qwen3.5-debug.json").read_text())["results"]
     # the attention pages halve; the replicated Gated DeltaNet state does not
@@ -277,12 +278,12 @@ def test_fp8_attention_bench_end_to_end(tmp_path):
     """tools/bench_fp8_attention.py on the emulated cuDNN kernel (CPU): a row per length, the FP8
     capture moves the log-probs and the gradients a little but not much, and where the exact
     emulation runs beside it the orchestration lands where the ideal FP8 kernel does."""
-    cmd = [sys.executable, str(ROOT / "tools/bench_fp8_attention.py"), "--model", "qwen3.5-debug",
+    cmd = [ROOT / "tools/bench_fp8_attention.py", "--model", "qwen3.5-debug",
            "--prompt-lengths", "96", "--emulation-prompt-lengths", "160", "--prompt-chunk-size", "64",
            "--emulation-chunk-size", "48", "--response-length", "8", "--num-generations", "2",
            "--warmup-prompt-length", "0",
            "--fp8-kernel", "emulated", "--output-dir", str(tmp_path)]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=300)
+    run_script(cmd[0], cmd[1:], cwd=ROOT, check=True)
     data = json.loads((tmp_path / "fp8_attention_qwen3.5-debug.json").read_text())
     assert "tools/bench_fp8_attention.py" in data["command"]
     first, second = data["rows"]
@@ -297,9 +298,9 @@ def test_fp8_attention_bench_end_to_end(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a CUDA GPU")
 def test_fp8_attention_bench_names_the_flag_without_a_gpu(tmp_path):
-    cmd = [sys.executable, str(ROOT / "tools/bench_fp8_attention.py"), "--model", "qwen3.5-debug",
+    cmd = [ROOT / "tools/bench_fp8_attention.py", "--model", "qwen3.5-debug",
            "--prompt-lengths", "64", "--emulation-prompt-lengths", "", "--output-dir", str(tmp_path)]
-    bad = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    bad = run_script(cmd[0], cmd[1:], cwd=ROOT)
     assert bad.returncode != 0
     assert bad.stderr.strip().splitlines()[-1].startswith("error: --fp8-attention capture needs a CUDA GPU"), bad.stderr
     assert not list(tmp_path.iterdir())  # nothing written

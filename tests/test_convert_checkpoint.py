@@ -18,7 +18,7 @@ from megatron_longstraw.models.builder import build_model
 from megatron_longstraw.models.options import ModelOptions
 from megatron_longstraw.models.registry import all_presets
 from megatron_longstraw.testing.hf_reference import build_hf_model, hf_model_class
-from megatron_longstraw.testing.multiprocess import run_multiprocess
+from megatron_longstraw.testing.multiprocess import run_multiprocess, run_script
 from megatron_longstraw.testing.parity import forward_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +26,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import convert_checkpoint  # noqa: E402
 
 CASES = {"qwen": ("qwen3.5-debug", {"tie_word_embeddings": True}),
-         "qwen-moe": ("qwen3.5-moe-debug", {}),
-         "glm": ("glm-5-debug", {})}
+         "glm": ("glm-5-debug", {})}  # (Qwen3.5-MoE's conversion: tests/test_mtp_weights.py, test_qwen3_5_moe.py)
 
 
 def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -135,9 +134,8 @@ def test_tp2_checkpoint_reads_back_under_tp1(converted):
 def _cli(*args) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()  # not this process's process-group settings
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), *args,
-                           "--no-progress"], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(env, PYTHONWARNINGS="ignore"))
+    return run_script(ROOT / "tools" / "convert_checkpoint.py", [*args, "--no-progress"], cwd=ROOT,
+                      env=dict(env, PYTHONWARNINGS="ignore"))
 
 
 def _copy_hf(src: Path, dst: Path) -> Path:
@@ -263,12 +261,11 @@ def _load_under_layout(hf, load_dir, hf_state, sizes):
 
 
 def test_converted_checkpoint_loads_under_expert_parallelism(converted):
-    """GLM-5 and Qwen3.5-MoE: EP=2 ranks each load their own experts (and GLM-5's router bias)
-    exactly."""
+    """GLM-5: EP=2 ranks each load their own experts (and the router bias) exactly."""
     from megatron_longstraw.config.parallel import ParallelSizes
 
     hf, hf_model, root = converted
-    if hf["model_type"] not in ("glm_moe_dsa", "qwen3_5_moe_text"):
+    if hf["model_type"] != "glm_moe_dsa":
         pytest.skip("a dense model: no experts")
     mismatched = run_multiprocess(_load_under_layout, 2, hf, root / "mcore", hf_model.state_dict(),
                                   ParallelSizes(expert=2))

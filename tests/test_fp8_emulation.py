@@ -8,6 +8,7 @@ import torch
 
 from megatron_longstraw.testing.fp8_emulation import (E4M3, E5M2, emulated_fp8_linears, emulated_fp8_matmul,
                                                       quantize_dequantize)
+from megatron_longstraw.testing.multiprocess import run_script
 
 
 @pytest.mark.parametrize("dtype, mantissa_bits", [(E4M3, 3), (E5M2, 2)])
@@ -124,10 +125,8 @@ def test_sensitivity_tool_end_to_end(tmp_path):
     from pathlib import Path
 
     tool = Path(__file__).resolve().parents[1] / "tools/fp8_sensitivity.py"
-    run = subprocess.run([sys.executable, str(tool), "--model", "qwen3.5-debug", "--prompt-length", "96",
-                          "--response-length", "24", "--num-generations", "2", "--prompt-chunk-size", "32",
-                          "--output-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    run = run_script(tool, ["--model", "qwen3.5-debug", "--prompt-length", "96", "--response-length", "24",
+                            "--num-generations", "2", "--prompt-chunk-size", "32", "--output-dir", str(tmp_path)])
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "fp8_sensitivity_qwen3.5-debug.json").read_text())
     variants = report["variants"]
@@ -142,7 +141,7 @@ def test_sensitivity_tool_end_to_end(tmp_path):
     assert attention["logprob_abs_diff"] > 0 and variants["bf16 GEMM operands"]["logprob_abs_diff"] > 0
     assert variants["fp8 tensorwise"]["cosine"] < attention["cosine"] < 1
     assert (tmp_path / "fp8_sensitivity_qwen3.5-debug.md").read_text().startswith("# FP8 sensitivity")
-    bad = subprocess.run([sys.executable, str(tool), "--prompt-length", "0"], capture_output=True, text=True, timeout=120)
+    bad = run_script(tool, ["--prompt-length", "0"])
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == "error: --prompt-length must be >= 1, got 0"
 
 

@@ -2,7 +2,6 @@
 predicted within the stated bounds, layouts, the largest prompt, bad input."""
 
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +16,7 @@ from megatron_longstraw.planning.memory import PEAK_ERROR, memory_plan
 from megatron_longstraw.planning.planner import max_prompt, model_profile, plan_all, plan_layout
 from megatron_longstraw.planning.run import RunShape
 from megatron_longstraw.planning.timing import TIME_ERROR
+from megatron_longstraw.testing.multiprocess import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,8 +167,7 @@ def test_cli_bad_input_one_line(capsys, args, message):
 def test_cli_model_file_that_does_not_parse(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text('{"model_type": "qwen3_5_text",\n  oops}')
-    out = subprocess.run([sys.executable, str(ROOT / "tools/plan_budget.py"), "--model", str(bad)],
-                         capture_output=True, text=True, timeout=120)
+    out = run_script(ROOT / "tools/plan_budget.py", ["--model", str(bad)])
     assert out.returncode == 2 and f"{bad}:2: invalid JSON" in out.stderr
 
 

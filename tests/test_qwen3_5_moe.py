@@ -76,7 +76,7 @@ def test_weight_round_trip_is_bit_identical_in_both_expert_layouts():
     assert sorted(again) == sorted(mcore) and all(torch.equal(again[n], mcore[n]) for n in mcore)
 
 
-@pytest.mark.parametrize("chunk", [7, 30])
+@pytest.mark.parametrize("chunk", [7])
 def test_capture_replay_and_decoding_equal_the_full_forward(single_process, chunk):
     from megatron_longstraw.rollout.generate import generate_from_state
 
@@ -93,7 +93,7 @@ def test_capture_replay_and_decoding_equal_the_full_forward(single_process, chun
     assert (out.step_logits[0] - want).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("chunk, lengths, micro_batch", [(10, (13, 1, 7), 1), (7, (13, 1, 7), 3)])
+@pytest.mark.parametrize("chunk, lengths, micro_batch", [(7, (13, 1, 7), 3)])  # a chunk that does not divide
 def test_exact_gradients_equal_full_backprop(single_process, chunk, lengths, micro_batch):
     """Every parameter's ``--prompt-gradient exact`` gradient equals full backprop through prompt
     + responses with nothing detached, to 1e-9 relative (fp64)."""

@@ -6,7 +6,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 import train_grpo
 from megatron_longstraw.distributed import destroy_distributed, init_distributed
+from megatron_longstraw.testing.multiprocess import run_script
 from megatron_longstraw.testing.wandb_records import find_run_file, read_history
 from megatron_longstraw.training import loop
 from megatron_longstraw.training.startup import model_source
@@ -141,8 +141,7 @@ def test_external_rollouts_train_end_to_end(tmp_path):
 
 def _cli(*argv):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # reward_fixtures
-    return subprocess.run([sys.executable, str(ROOT / "train_grpo.py"), *argv], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=env)
+    return run_script(ROOT / "train_grpo.py", list(argv), cwd=ROOT, env=env)
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -70,8 +70,7 @@ def test_yarn_logits_equal_transformers_past_the_original_maximum(single_process
     assert (unscaled - want)[0, ORIGINAL:].abs().max().item() > 1e-3  # (YaRN changed them)
 
 
-@pytest.mark.parametrize("preset, chunk", [("qwen3.5-debug", 16), ("qwen3.5-debug", 70),
-                                           ("glm-5-debug", 16), ("glm-5-debug", 70)])
+@pytest.mark.parametrize("preset, chunk", [("qwen3.5-debug", 16), ("glm-5-debug", 70)])
 def test_yarn_capture_replay_and_decoding_equal_the_full_forward(single_process, preset, chunk):
     from megatron_longstraw.rollout.generate import generate_from_state
 

@@ -1,4 +1,5 @@
-"""Run a test function in N gloo processes (CPU) and collect each rank's return value."""
+"""Run a test function in N gloo processes (CPU) and collect each rank's return value; run a command-line
+script as a child of the same fork server (``run_script``), without a fresh interpreter's imports."""
 
 import io
 import os
@@ -108,3 +109,65 @@ def on_one_rank(fn, *args):
         return fn(*args)
     finally:
         destroy_distributed()
+
+
+def _script_worker(path: str, argv: list, cwd, env, out_path: str, err_path: str) -> None:
+    """In a fork-server child: ``python path *argv`` with stdout / stderr into the given files
+    (and ``env`` as the environment, its ``PYTHONPATH`` on ``sys.path``), exiting with the
+    script's status."""
+    import runpy
+    import sys
+
+    status = 0
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        if cwd is not None:
+            os.chdir(cwd)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+            sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.argv = [path, *argv]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as ``python path`` puts it first
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as done:
+            status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+            if not isinstance(done.code, (int, type(None))):
+                print(done.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+    os._exit(status)
+
+
+def run_script(path, argv: list, *, cwd=None, env: dict | None = None, check: bool = False,
+               timeout: float = 300.0):
+    """``python path *argv`` as a child of the fork server (torch and Megatron already imported:
+    seconds instead of a fresh interpreter's imports), in ``cwd`` with ``env`` (default: the
+    fork server's environment): a ``subprocess.CompletedProcess`` with the exit status and text
+    stdout / stderr; ``check``: raise ``CalledProcessError`` on a non-zero status, as
+    ``subprocess.run`` does."""
+    import subprocess
+    import tempfile
+
+    ctx = _context()
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        proc = ctx.Process(target=_script_worker, args=(str(path), [str(a) for a in argv], cwd, env, out_path,
+                                                        err_path))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(30)
+            raise subprocess.TimeoutExpired([str(path), *argv], timeout)
+        with open(out_path) as out, open(err_path) as err:
+            done = subprocess.CompletedProcess([str(path), *argv], proc.exitcode, out.read(), err.read())
+    if check:
+        done.check_returncode()
+    return done
