@@ -52,7 +52,8 @@ def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             experts.setdefault(match.group(1), {}).setdefault(int(match.group(2)), {})[match.group(3)] = tensor
     for prefix, by_expert in experts.items():
         order = sorted(by_expert)
-        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["gate"], by_expert[e]["up"]]) for e in order])
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["gate"], by_expert[e]["up"]])
+                                                    for e in order])
         out[prefix + "down_proj"] = torch.stack([by_expert[e]["down"] for e in order])
     return out
 

@@ -91,7 +91,8 @@ def test_mtp_tensors_survive_conversion_training_and_export(family, tmp_path):
                                     "--no-progress"]) == 0
     argv = ["--train-iters", "1", "--global-batch-size", "1", "--num-generations", "3",
             "--synthetic-prompt-length", "24", "--prompt-chunk-size", "24", "--max-response-length", "5",
-            "--lr", "1e-2", "--reward-fn", "reward_fixtures:low_token_fraction", "--wandb-mode", "disabled", "--wandb-save-dir", str(tmp_path / "wandb"),
+            "--lr", "1e-2", "--reward-fn", "reward_fixtures:low_token_fraction", "--wandb-mode", "disabled",
+            "--wandb-save-dir", str(tmp_path / "wandb"),
             "--save", str(tmp_path / "run"), "--pretrained-checkpoint", str(tmp_path / "mcore")]
     config = train_grpo.parse_args(argv)
     init_distributed(config.parallel.sizes, seed=config.training.seed)

@@ -68,7 +68,8 @@ def test_weight_round_trip_is_bit_identical_in_both_expert_layouts():
     per_expert = {n: t for n, t in module_state.items() if ".mlp.experts." not in n}
     for layer in range(hf["num_hidden_layers"]):
         prefix = f"model.layers.{layer}.mlp.experts."
-        for e, (gate_up, down) in enumerate(zip(module_state[prefix + "gate_up_proj"], module_state[prefix + "down_proj"])):
+        stacked = zip(module_state[prefix + "gate_up_proj"], module_state[prefix + "down_proj"])
+        for e, (gate_up, down) in enumerate(stacked):
             gate, up = gate_up.chunk(2)
             per_expert.update({f"{prefix}{e}.gate_proj.weight": gate, f"{prefix}{e}.up_proj.weight": up,
                                f"{prefix}{e}.down_proj.weight": down})
@@ -145,7 +146,8 @@ def _parallel_run(hf, prompt, responses):
     if sp:
         from megatron_longstraw.testing.parity import reduce_tp_grads
         reduce_tp_grads(model)
-    ep, tp = parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     first = parallel_state.get_expert_model_parallel_rank() * (model.config.num_moe_experts or 0) // ep
     scale = 1.0 / parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     grads = {expert_global_name(n, first): p.grad * (scale if ".local_experts." in n else 1.0)

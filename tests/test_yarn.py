@@ -121,7 +121,8 @@ def test_yarn_factor_flag_writes_the_model_cards_config():
 
 
 def test_unknown_rope_type_is_one_line_naming_the_field(single_process):
-    for preset, family in (("qwen3.5-debug", "Qwen3.5"), ("glm-5-debug", "GLM-5")):
+    for preset, family in (("qwen3.5-debug", "Qwen3.5"), ("qwen3.5-moe-debug", "Qwen3.5-MoE"),
+                           ("glm-5-debug", "GLM-5")):
         hf = resolve_hf_config(preset)
         hf["rope_parameters"] = dict(hf["rope_parameters"], rope_type="longrope")
         with pytest.raises(ValueError, match=rf"rope_parameters.rope_type 'longrope' is not supported for {family} "

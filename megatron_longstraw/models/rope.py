@@ -78,7 +78,8 @@ def yarn_of(hf: dict) -> Yarn:
     if attention_factor is None:
         attention_factor = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
                             if mscale and mscale_all_dim else get_mscale(factor))
-    return Yarn(base=rope["rope_theta"], factor=float(factor), original_max_position_embeddings=int(original),
+    return Yarn(base=rope.get("rope_theta", 10_000.0), factor=float(factor),
+                original_max_position_embeddings=int(original),
                 attention_factor=float(attention_factor), beta_fast=rope.get("beta_fast") or 32,
                 beta_slow=rope.get("beta_slow") or 1, truncate=rope.get("truncate", True),
                 mscale=mscale, mscale_all_dim=mscale_all_dim)

@@ -133,7 +133,8 @@ def hybrid_weight_map(mlp_rules: tuple[WeightRule, ...], normalize, **fields) ->
 
 
 WEIGHTS = hybrid_weight_map((
-    WeightRule(_LAYER + "mlp.linear_fc1.weight", (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight")),
+    WeightRule(_LAYER + "mlp.linear_fc1.weight",
+               (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight")),
     WeightRule(_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",)),
 ), normalize_hf_config)
 """Qwen3.5's weight table; HF names under ``model.`` (or ``model.language_model.``)."""

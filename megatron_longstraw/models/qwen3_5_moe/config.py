@@ -22,17 +22,16 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longstraw.models.options import ModelOptions
+from megatron_longstraw.models.qwen3_5 import config as hybrid
 from megatron_longstraw.models.qwen3_5.config import (HYBRID_REQUIRED, check_hybrid_layers, flatten_hf_config,
-                                                      gpt_model_kwargs, hybrid_config_kwargs)
+                                                      hybrid_config_kwargs)
+from megatron_longstraw.models.rope import check_rope_type
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 NAME = "Qwen3.5-MoE"
 
 _REQUIRED = HYBRID_REQUIRED + ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                "shared_expert_intermediate_size")
-
-__all__ = ["MODEL_TYPES", "NAME", "normalize_hf_config", "transformer_config", "gpt_model_kwargs"]
-
 
 def normalize_hf_config(hf: dict) -> dict:
     """Flatten a ``qwen3_5_moe`` (multimodal) config to its ``text_config`` and validate it."""
@@ -75,3 +74,10 @@ def transformer_config(hf: dict, options: ModelOptions) -> TransformerConfig:
         moe_token_dispatcher_type="alltoall" if ep > 1 else "allgather",
         moe_grouped_gemm=False,
     )
+
+
+def gpt_model_kwargs(hf: dict) -> dict:
+    """Qwen3.5's ``GPTModel`` keywords (vocabulary, RoPE, tying); a RoPE type it does not take is
+    named for this family."""
+    check_rope_type(hf, NAME)
+    return hybrid.gpt_model_kwargs(hf)
