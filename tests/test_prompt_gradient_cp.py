@@ -15,7 +15,7 @@ from megatron_longstraw.testing.multiprocess import on_one_rank, run_multiproces
 from megatron_longstraw.testing.parity import (exact_gradients, max_rel_error, random_tokens, seeded_model,
                                               weighted_response_loss)
 
-PRESETS = ("qwen3.5-debug", "glm-5-debug", "qwen3.5-moe-debug")  # glm-5-debug's index_topk 8 < the prompt: sparse selections
+PRESETS = ("qwen3.5-debug", "glm-5-debug")  # glm-5-debug's index_topk 8 < the prompt: sparse selections
 PROMPT, CHUNK = 21, 8  # chunks of 8 | 8 | 5 tokens: shards 4|4, 4|4, 3|2
 RESPONSES = (6, 1)     # G = 2 with a 1-token response
 SMALL_BLOCKS = KernelOptions(prefix_block=3, dsa_key_block=5, dsa_score_elements=200, dsa_gather_elements=2000)
