@@ -58,7 +58,8 @@ def with_sizes(sizes, fn, *args):
 # what every rank imports first: loaded once into the fork server, each rank forks from it
 _PRELOAD = ["torch", "megatron.core.parallel_state", "megatron_longstraw.distributed",
             "megatron_longstraw.testing.multiprocess", "megatron_longstraw.models.builder",
-            "megatron_longstraw.testing.parity", "megatron_longstraw.longstraw.capture"]
+            "megatron_longstraw.testing.parity", "megatron_longstraw.longstraw.capture",
+            "megatron_longstraw.testing.preload"]
 
 
 def _context():
