@@ -317,6 +317,12 @@ def layer_rules(renames: tuple[tuple[str, str], ...], hf_prefix: str = "model.la
     return tuple(WeightRule(mcore_prefix + mcore, (hf_prefix + hf_name,), **kwargs) for hf_name, mcore in renames)
 
 
+def gate_up_rule(hf_prefix: str, mcore: str, **kwargs) -> WeightRule:
+    """HF ``gate_proj`` and ``up_proj`` under ``hf_prefix`` fused into Megatron's ``[gate; up]``
+    ``linear_fc1`` (a SwiGLU MLP or expert)."""
+    return WeightRule(mcore, (hf_prefix + "gate_proj.weight", hf_prefix + "up_proj.weight"), **kwargs)
+
+
 def untied(hf: dict, fields: dict) -> bool:
     """The output layer is a tensor of its own (no ``tie_word_embeddings``)."""
     return not hf.get("tie_word_embeddings", False)

@@ -15,7 +15,7 @@ import re
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longstraw.models.glm5.config import normalize_hf_config
-from megatron_longstraw.models.weight_map import MODEL_RULES, WeightMap, WeightRule, layer_rules
+from megatron_longstraw.models.weight_map import MODEL_RULES, WeightMap, WeightRule, gate_up_rule, layer_rules
 
 
 def hf_reference(model_type: str) -> tuple[str, str, str, str]:
@@ -48,11 +48,6 @@ _INDEXER = _ATTN + "core_attention.indexer."
 _EXPERTS_HF, _EXPERTS = _HF_LAYER + "mlp.experts.", _LAYER + "mlp.experts.local_experts.{expert}."
 
 
-def _gate_up(hf_prefix: str, mcore: str, **kwargs) -> WeightRule:
-    """HF ``gate_proj`` and ``up_proj`` fused into Megatron's ``[gate; up]`` ``linear_fc1``."""
-    return WeightRule(mcore, (hf_prefix + "gate_proj.weight", hf_prefix + "up_proj.weight"), **kwargs)
-
-
 WEIGHTS = WeightMap(
     rules=MODEL_RULES + layer_rules((
         ("input_layernorm.weight", "input_layernorm.weight"),
@@ -75,10 +70,10 @@ WEIGHTS = WeightMap(
     )) + (
         WeightRule(_LAYER + "mlp.router.expert_bias", (_HF_LAYER + "mlp.gate.e_score_correction_bias",),
                    applies=_sparse, required=True),
-        _gate_up(_HF_LAYER + "mlp.", _LAYER + "mlp.linear_fc1.weight"),
-        _gate_up(_HF_LAYER + "mlp.shared_experts.", _LAYER + "mlp.shared_experts.linear_fc1.weight"),
+        gate_up_rule(_HF_LAYER + "mlp.", _LAYER + "mlp.linear_fc1.weight"),
+        gate_up_rule(_HF_LAYER + "mlp.shared_experts.", _LAYER + "mlp.shared_experts.linear_fc1.weight"),
         # routed experts: one tensor per expert (checkpoint files) or stacked (transformers' modules)
-        _gate_up(_EXPERTS_HF + "{expert}.", _EXPERTS + "linear_fc1.weight", layout="checkpoint"),
+        gate_up_rule(_EXPERTS_HF + "{expert}.", _EXPERTS + "linear_fc1.weight", layout="checkpoint"),
         WeightRule(_EXPERTS + "linear_fc2.weight", (_EXPERTS_HF + "{expert}.down_proj.weight",), layout="checkpoint"),
         WeightRule(_EXPERTS + "linear_fc1.weight", (_EXPERTS_HF + "gate_up_proj",), layout="module", hf_stacked=True),
         WeightRule(_EXPERTS + "linear_fc2.weight", (_EXPERTS_HF + "down_proj",), layout="module", hf_stacked=True),

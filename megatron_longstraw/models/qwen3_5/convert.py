@@ -19,7 +19,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longstraw.models.qwen3_5.config import normalize_hf_config
-from megatron_longstraw.models.weight_map import MODEL_RULES, WeightMap, WeightRule, layer_rules, rows_of
+from megatron_longstraw.models.weight_map import MODEL_RULES, WeightMap, WeightRule, gate_up_rule, layer_rules, rows_of
 
 _HF_TEXT_MODEL = ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5ForCausalLM",
                   "transformers.models.qwen3_5.configuration_qwen3_5", "Qwen3_5TextConfig")
@@ -133,8 +133,7 @@ def hybrid_weight_map(mlp_rules: tuple[WeightRule, ...], normalize, **fields) ->
 
 
 WEIGHTS = hybrid_weight_map((
-    WeightRule(_LAYER + "mlp.linear_fc1.weight",
-               (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight")),
+    gate_up_rule(_HF_LAYER + "mlp.", _LAYER + "mlp.linear_fc1.weight"),
     WeightRule(_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",)),
 ), normalize_hf_config)
 """Qwen3.5's weight table; HF names under ``model.`` (or ``model.language_model.``)."""

@@ -17,7 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longstraw.models.qwen3_5 import convert as hybrid
 from megatron_longstraw.models.qwen3_5_moe.config import normalize_hf_config
-from megatron_longstraw.models.weight_map import WeightRule, layer_rules
+from megatron_longstraw.models.weight_map import WeightRule, gate_up_rule, layer_rules
 
 _HF_TEXT_MODEL = ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeForCausalLM",
                   "transformers.models.qwen3_5_moe.configuration_qwen3_5_moe", "Qwen3_5MoeTextConfig")
@@ -38,22 +38,17 @@ _HF_LAYER, _LAYER = "model.layers.{layer}.", "decoder.layers.{layer}."
 _EXPERTS_HF, _EXPERTS = _HF_LAYER + "mlp.experts.", _LAYER + "mlp.experts.local_experts.{expert}."
 
 
-def _gate_up(hf_prefix: str, mcore: str, **kwargs) -> WeightRule:
-    """HF ``gate_proj`` and ``up_proj`` fused into Megatron's ``[gate; up]`` ``linear_fc1``."""
-    return WeightRule(mcore, (hf_prefix + "gate_proj.weight", hf_prefix + "up_proj.weight"), **kwargs)
-
-
 WEIGHTS = hybrid.hybrid_weight_map(layer_rules((
     ("mlp.gate.weight", "mlp.router.weight"),
     ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.linear_fc2.weight"),
     ("mlp.shared_expert_gate.weight", "mlp.shared_experts.gate_weight"),
 )) + (
-    _gate_up(_HF_LAYER + "mlp.shared_expert.", _LAYER + "mlp.shared_experts.linear_fc1.weight"),
+    gate_up_rule(_HF_LAYER + "mlp.shared_expert.", _LAYER + "mlp.shared_experts.linear_fc1.weight"),
     # routed experts: stacked (the official checkpoints and transformers' modules; what an export
     # writes) or one tensor per expert (some quantized exports; read only)
     WeightRule(_EXPERTS + "linear_fc1.weight", (_EXPERTS_HF + "gate_up_proj",), hf_stacked=True),
     WeightRule(_EXPERTS + "linear_fc2.weight", (_EXPERTS_HF + "down_proj",), hf_stacked=True),
-    _gate_up(_EXPERTS_HF + "{expert}.", _EXPERTS + "linear_fc1.weight", layout="read"),
+    gate_up_rule(_EXPERTS_HF + "{expert}.", _EXPERTS + "linear_fc1.weight", layout="read"),
     WeightRule(_EXPERTS + "linear_fc2.weight", (_EXPERTS_HF + "{expert}.down_proj.weight",), layout="read"),
 ), normalize_hf_config, num_experts_field="num_experts")
 """Qwen3.5-MoE's weight table; HF names under ``model.`` (or ``model.language_model.``)."""
